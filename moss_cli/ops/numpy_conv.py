@@ -1,0 +1,5 @@
+"""Image ops for the VAE decoder: conv2d, group norm, nearest upsampling."""
+
+
+class ConvOps:
+    pass

@@ -1,0 +1,115 @@
+"""Core ops shared by the three graphs: parameters, linear, norms, activations, RoPE, attention."""
+
+import numpy as np
+
+
+class CoreOps:
+    dtype: np.dtype
+
+    # --- data movement ---------------------------------------------------------------------
+    def param(self, tensors, name):
+        """The stored tensor `name` of a component, converted to the compute dtype once."""
+        key = (id(tensors), name)
+        out = self._params.get(key)
+        if out is None:
+            out = np.ascontiguousarray(np.asarray(tensors[name]).astype(self.dtype))
+            self._params[key] = out
+        return out
+
+    def array(self, x):
+        """A host array in the compute dtype."""
+        return np.ascontiguousarray(np.asarray(x, dtype=self.dtype))
+
+    def host(self, x):
+        return np.asarray(x)
+
+    # --- shapes ------------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        return np.reshape(x, shape)
+
+    def transpose(self, x, axes):
+        return np.ascontiguousarray(np.transpose(x, axes))
+
+    def concat(self, xs, axis=0):
+        return np.concatenate(xs, axis=axis)
+
+    def slice(self, x, axis, start, stop):
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return x[tuple(index)]
+
+    def embedding(self, table, ids):
+        return np.ascontiguousarray(np.asarray(table)[np.asarray(ids, dtype=np.int64)].astype(self.dtype))
+
+    # --- elementwise -------------------------------------------------------------------------
+    def add(self, a, b):
+        return a + b
+
+    def sub(self, a, b):
+        return a - b
+
+    def mul(self, a, b):
+        return a * b
+
+    def scale(self, x, s):
+        return x * self.dtype.type(s)
+
+    def sigmoid(self, x):
+        return 1.0 / (1.0 + np.exp(-x))
+
+    def silu(self, x):
+        return x * self.sigmoid(x)
+
+    def tanh(self, x):
+        return np.tanh(x)
+
+    def exp(self, x):
+        return np.exp(x)
+
+    def softplus(self, x):
+        """torch.nn.functional.softplus with beta 1, threshold 20 (x itself above 20)."""
+        return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+
+    # --- linear algebra ----------------------------------------------------------------------
+    def linear(self, x, w, b=None):
+        """x @ w.T (+ b), w stored torch-style [out, in]."""
+        y = x @ w.T
+        if b is not None:
+            y = y + b
+        return y
+
+    def rms_norm(self, x, w, eps, offset=0.0):
+        """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis (offset 1 = zero-centred)."""
+        r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.dtype.type(eps))
+        return (x * r) * (self.dtype.type(offset) + w)
+
+    def rope(self, x, cos, sin):
+        """Rotate-half RoPE on the first 2*r dims of each head: x [L, H, d], cos/sin [L, r].
+
+        Pairs are (j, j + r): out_j = x_j cos_j - x_{j+r} sin_j, out_{j+r} = x_{j+r} cos_j + x_j sin_j.
+        """
+        r = cos.shape[-1]
+        c = cos[:, None, :]
+        s = sin[:, None, :]
+        a = x[..., :r]
+        b = x[..., r:2 * r]
+        return np.concatenate([a * c - b * s, b * c + a * s, x[..., 2 * r:]], axis=-1)
+
+    def attention(self, q, k, v, scale, causal=False):
+        """softmax(q k^T * scale) v per head; q [L, Hq, d], k [S, Hk, d], v [S, Hk, dv] -> [L, Hq, dv].
+
+        Grouped heads: query head i reads key/value head i // (Hq // Hk).
+        """
+        hq, hk = q.shape[1], k.shape[1]
+        group = hq // hk
+        kk = np.repeat(np.transpose(k, (1, 0, 2)), group, axis=0)   # [Hq, S, d]
+        vv = np.repeat(np.transpose(v, (1, 0, 2)), group, axis=0)
+        qq = np.transpose(q, (1, 0, 2))                             # [Hq, L, d]
+        s = (qq @ np.transpose(kk, (0, 2, 1))) * self.dtype.type(scale)
+        if causal:
+            L, S = s.shape[1], s.shape[2]
+            s = np.where(np.tril(np.ones((L, S), dtype=bool), k=S - L), s, -np.inf)
+        s = s - np.max(s, axis=-1, keepdims=True)
+        p = np.exp(s)
+        p = p / np.sum(p, axis=-1, keepdims=True)
+        return np.ascontiguousarray(np.transpose(p @ vv, (1, 0, 2)))
