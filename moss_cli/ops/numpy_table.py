@@ -4,10 +4,11 @@ import numpy as np
 
 from .numpy_conv import ConvOps
 from .numpy_core import CoreOps
+from .numpy_dit import DitOps
 from .numpy_gdn import GdnOps
 
 
-class NumpyOps(CoreOps, GdnOps, ConvOps):
+class NumpyOps(CoreOps, GdnOps, ConvOps, DitOps):
     name = "numpy"
 
     def __init__(self, dtype=np.float32):
