@@ -1,0 +1,202 @@
+"""The four commands. Each reads its inputs, calls a stage function, and writes its artifact."""
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from . import artifacts, stages
+from .device import DEVICES, resolve
+from .errors import MossError, UsageError
+from .progress import Progress
+
+
+def _run(command, prog):
+    """Run a click command; every failure becomes one line on stderr and a non-zero exit."""
+    try:
+        command.main(prog_name=prog, standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        click.echo(f"{prog}: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo(f"{prog}: aborted", err=True)
+        sys.exit(130)
+    except MossError as e:
+        click.echo(f"{prog}: error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo(f"{prog}: interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(1)
+    except Exception as e:  # a bug: still one line, the traceback only on request
+        if os.environ.get("MOSS_DEBUG"):
+            raise
+        click.echo(f"{prog}: internal error: {type(e).__name__}: {e} (set MOSS_DEBUG=1 for a traceback)", err=True)
+        sys.exit(3)
+
+
+def _open(model_dir, device, stage, progress):
+    from .checkpoint import open_checkpoint
+    chosen = resolve(device, stage)
+    checkpoint = open_checkpoint(model_dir)
+    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {chosen}")
+    return stages.Model(checkpoint, device=chosen, progress=progress)
+
+
+def _skip_layers(text):
+    text = text.strip()
+    if not text:
+        return ()
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UsageError(f"--uncond-skip-layers {text!r}: give block indices like 22 or 21,22, or '' for none") from None
+
+
+def _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise):
+    d = stages.sampling_defaults(model.checkpoint)
+    opts = stages.SamplingOptions(
+        seed=seed, steps=d["steps"] if steps is None else steps,
+        guidance=d["guidance"] if guidance is None else guidance,
+        width=d["width"] if width is None else width, height=d["height"] if height is None else height,
+        shift=d["shift"] if shift is None else shift, uncond_skip_layers=_skip_layers(skip_layers),
+        skip_start=skip_start, skip_stop=skip_stop, noise=noise)
+    opts.check()
+    return opts
+
+
+model_option = click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+                            help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
+device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr.")
+
+
+def sampling_options(f):
+    for opt in reversed([
+        click.option("--seed", type=int, required=True, help="Seed of torch's CPU generator."),
+        click.option("--steps", type=int, default=None, help="Denoising steps [checkpoint's or 50]."),
+        click.option("--guidance", type=float, default=None, help="CFG scale; 1 = no negative pass [3.0]."),
+        click.option("--width", type=int, default=None, help="Pixels, a multiple of 16 [1024]."),
+        click.option("--height", type=int, default=None, help="Pixels, a multiple of 16 [1024]."),
+        click.option("--shift", type=float, default=None, help="Schedule shift [scheduler_config.json]."),
+        click.option("--uncond-skip-layers", "skip_layers", default="22", show_default=True,
+                     help="Blocks skipped on the negative pass, comma-separated; '' for none."),
+        click.option("--skip-start", type=float, default=stages.DEFAULT_SKIP_START, show_default=True),
+        click.option("--skip-stop", type=float, default=stages.DEFAULT_SKIP_STOP, show_default=True),
+        click.option("--noise", type=click.Choice(["avx2", "generic"]), default="avx2", show_default=True,
+                     help="torch CPU randn kernel to reproduce (avx2 = official x86 wheels)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command(help="Encode a prompt (and negative) into an ENC file of encoder rows.")
+@model_option
+@click.option("--prompt", required=True)
+@click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
+@click.option("--no-negative", is_flag=True, help="Encode no negative (only for --guidance 1).")
+@device_option
+@click.option("--out", required=True, help="ENC file, or - for stdout.")
+@quiet_option
+def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
+    progress = Progress(quiet, "moss-encode")
+    artifacts.check_writable(out)
+    model = _open(model_dir, device, "encode", progress)
+    artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
+
+
+@click.command(help="Denoise from seeded noise to the final latents (LAT) for an ENC file.")
+@model_option
+@click.argument("enc")
+@sampling_options
+@click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
+@device_option
+@click.option("--out", required=True, help="LAT file, or - for stdout.")
+@quiet_option
+def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
+             noise, trace, device, out, quiet):
+    progress = Progress(quiet, "moss-denoise")
+    artifacts.check_writable(out)
+    if trace:
+        artifacts.check_writable(trace)
+    model = _open(model_dir, device, "denoise", progress)
+    opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
+    enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
+    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
+    if trace:
+        artifacts.write(trace, traced)
+    artifacts.write(out, lat)
+
+
+@click.command(help="Decode a LAT file to an RGB PNG.")
+@model_option
+@click.argument("lat")
+@device_option
+@click.option("--out", required=True, help="PNG file, or - for stdout.")
+@quiet_option
+def _decode(model_dir, lat, device, out, quiet):
+    progress = Progress(quiet, "moss-decode")
+    artifacts.check_writable(out)
+    model = _open(model_dir, device, "decode", progress)
+    lat_artifact = artifacts.read(lat, "denoise", model.fingerprint)
+    artifacts.write(out, stages.decode(model, lat_artifact))
+
+
+@click.command(help="Prompt to picture in one process: encode, denoise, decode.")
+@model_option
+@click.option("--prompt", required=True)
+@click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
+@sampling_options
+@click.option("--picture", required=True, help="PNG file, or - for stdout.")
+@click.option("--keep", type=click.Path(path_type=Path), default=None,
+              help="Folder to keep the intermediate ENC and LAT files in (prompt.enc, latents.lat).")
+@device_option
+@quiet_option
+def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, shift, skip_layers, skip_start,
+           skip_stop, noise, picture, keep, device, quiet):
+    progress = Progress(quiet, "moss-image")
+    artifacts.check_writable(picture)
+    if keep is not None and not keep.is_dir():
+        raise UsageError(f"--keep {keep}: not a folder")
+    from .checkpoint import open_checkpoint
+    checkpoint = open_checkpoint(model_dir)
+    models = {}
+
+    def model_for(stage):
+        chosen = resolve(device, stage)
+        if chosen not in models:
+            models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress)
+        return models[chosen]
+
+    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]})")
+    opts = _sampling(model_for("denoise"), seed, steps, guidance, width, height, shift, skip_layers,
+                     skip_start, skip_stop, noise)
+    enc_bytes = stages.encode(model_for("encode"), prompt, negative if opts.cfg else None)
+    enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", checkpoint.fingerprint)
+    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, opts)
+    lat = artifacts.parse(lat_bytes, "latents", "denoise", checkpoint.fingerprint)
+    png = stages.decode(model_for("decode"), lat)
+    if keep is not None:
+        artifacts.write(keep / "prompt.enc", enc_bytes)
+        artifacts.write(keep / "latents.lat", lat_bytes)
+    artifacts.write(picture, png)
+
+
+def encode_command():
+    _run(_encode, "moss-encode")
+
+
+def denoise_command():
+    _run(_denoise, "moss-denoise")
+
+
+def decode_command():
+    _run(_decode, "moss-decode")
+
+
+def image_command():
+    _run(_image, "moss-image")

@@ -1,0 +1,222 @@
+"""The three stages as functions of (model, artifact, options): tokens -> rows -> latents -> pixels.
+
+The commands only read, call and write; `moss-image` calls the same functions on the same bytes, which is
+why its PNG equals the chained commands' PNG.
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from . import artifacts, schedule
+from .errors import ArtifactError, UsageError
+from .ops import numpy_ops
+from .progress import Silent
+
+# denoiser.md §5: defaults of the official pipeline where the checkpoint does not name its own.
+DEFAULT_STEPS = 50
+DEFAULT_GUIDANCE = 3.0
+DEFAULT_SIZE = 1024
+DEFAULT_NEGATIVE = ""
+DEFAULT_SKIP_LAYERS = (22,)
+DEFAULT_SKIP_START = 0.01   # [M] S1 + SGLang cookbook; S2/S3 start at 0.0
+DEFAULT_SKIP_STOP = 1.0
+PATCH = 16                  # image pixels per latent token side
+
+
+@dataclass
+class SamplingOptions:
+    seed: int
+    steps: int = DEFAULT_STEPS
+    guidance: float = DEFAULT_GUIDANCE
+    width: int = DEFAULT_SIZE
+    height: int = DEFAULT_SIZE
+    shift: float = schedule.DEFAULT_SHIFT
+    uncond_skip_layers: tuple = DEFAULT_SKIP_LAYERS
+    skip_start: float = DEFAULT_SKIP_START
+    skip_stop: float = DEFAULT_SKIP_STOP
+    noise: str = "avx2"
+
+    def check(self):
+        for name in ("width", "height"):
+            v = getattr(self, name)
+            if v <= 0 or v % PATCH:
+                raise UsageError(f"--{name} {v}: must be a positive multiple of {PATCH}")
+        if self.steps < 1:
+            raise UsageError(f"--steps {self.steps}: must be at least 1")
+        if not math.isfinite(self.guidance) or self.guidance < 0:
+            raise UsageError(f"--guidance {self.guidance}: must be finite and >= 0")
+        if not math.isfinite(self.shift) or self.shift <= 0:
+            raise UsageError(f"--shift {self.shift}: must be finite and > 0")
+        for name in ("skip_start", "skip_stop"):
+            if not math.isfinite(getattr(self, name)):
+                raise UsageError(f"--{name.replace('_', '-')}: must be finite")
+
+    @property
+    def cfg(self):
+        return self.guidance != 1.0   # exact compare, as the official pipeline does
+
+    def metadata(self):
+        return {"moss.seed": self.seed, "moss.steps": self.steps, "moss.guidance": repr(float(self.guidance)),
+                "moss.shift": repr(float(self.shift)), "moss.width": self.width, "moss.height": self.height,
+                "moss.uncond_skip_layers": ",".join(str(i) for i in self.uncond_skip_layers),
+                "moss.skip_start": repr(float(self.skip_start)), "moss.skip_stop": repr(float(self.skip_stop)),
+                "moss.noise": self.noise}
+
+
+def sampling_defaults(checkpoint):
+    """Defaults from the checkpoint where it has them (shift; the demo's size/steps), else the spec's."""
+    out = {"steps": DEFAULT_STEPS, "guidance": DEFAULT_GUIDANCE, "width": DEFAULT_SIZE, "height": DEFAULT_SIZE,
+           "shift": float(checkpoint.config("scheduler").get("shift", schedule.DEFAULT_SHIFT))}
+    demo = checkpoint.model_index.get("_moss_cli_defaults", {})
+    out.update({k: demo[k] for k in ("steps", "guidance", "width", "height") if k in demo})
+    return out
+
+
+class Model:
+    """One checkpoint with its graphs built lazily and kept: every component is loaded once."""
+
+    def __init__(self, checkpoint, device="cpu", progress=None):
+        self.checkpoint = checkpoint
+        self.device = device
+        self.progress = progress or Silent()
+        self.ops = numpy_ops(np.float32)
+
+    @property
+    def fingerprint(self):
+        return self.checkpoint.fingerprint
+
+    @cached_property
+    def tokenizer(self):
+        from .tokenizer import ChatTokenizer
+        cls = self.checkpoint.model_index.get("tokenizer", [None, None])[-1]
+        return ChatTokenizer.from_folder(self.checkpoint.root / "tokenizer", tokenizer_class=cls)
+
+    @cached_property
+    def encoder(self):
+        from . import encoder
+        comp = self.checkpoint.component("text_encoder")
+        self.progress.note(f"loading text encoder ({self.device})")
+        if self.device == "cuda":
+            from .ops.cuda_table import cuda_encoder
+            return cuda_encoder(comp)
+        return encoder.Qwen35Encoder(self.ops, comp.tensors, encoder.text_config(comp.config))
+
+    @cached_property
+    def transformer(self):
+        from .transformer import MossTransformer
+        comp = self.checkpoint.component("transformer")
+        self.progress.note("loading transformer")
+        return MossTransformer(self.ops, comp.tensors, comp.config)
+
+    @cached_property
+    def decoder(self):
+        from .vae import Decoder
+        comp = self.checkpoint.component("vae")
+        self.progress.note("loading VAE decoder")
+        return Decoder(self.ops, comp.tensors, comp.config)
+
+
+# --- encode ----------------------------------------------------------------------------------
+
+def encode(model, prompt, negative=DEFAULT_NEGATIVE):
+    """ENC bytes for PROMPT (and NEGATIVE unless it is None)."""
+    tensors = {}
+    for role, text in (("prompt", prompt), ("negative", negative)):
+        if text is None:
+            continue
+        ids, truncated = model.tokenizer.encode_prompt(text)
+        if truncated:
+            model.progress.warn(f"{role} is over the encoder's limit after templating; "
+                                f"kept the first {len(ids)} tokens, as the official pipeline does")
+        model.progress.note(f"encoding {role}: {len(ids)} tokens")
+        rows = np.asarray(model.encoder(ids), dtype=np.float32)
+        tensors[f"{role}_rows"] = rows
+        tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)
+    meta = {"moss.prompt": prompt, "moss.device": model.device}
+    if negative is not None:
+        meta["moss.negative"] = negative
+    return artifacts.build("encode", tensors, meta, model.fingerprint)
+
+
+# --- denoise ---------------------------------------------------------------------------------
+
+def _rows(enc, role, text_dim):
+    rows = enc.tensors.get(f"{role}_rows")
+    if rows is None:
+        return None
+    if rows.ndim != 2 or rows.shape[1] != text_dim or rows.shape[0] < 1 or rows.dtype != np.float32:
+        raise ArtifactError(f"{enc.source}: {role}_rows is {rows.dtype}{list(rows.shape)}, "
+                            f"expected float32[L, {text_dim}]")
+    return rows
+
+
+def denoise(model, enc, options, trace=False):
+    """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options."""
+    from . import noise, sampler
+
+    options.check()
+    text_dim = int(model.checkpoint.config("transformer").get("text_dim", 4096))
+    cond_rows = _rows(enc, "prompt", text_dim)
+    if cond_rows is None:
+        raise ArtifactError(f"{enc.source}: has no prompt_rows")
+    uncond_rows = _rows(enc, "negative", text_dim) if options.cfg else None
+    if options.cfg and uncond_rows is None:
+        raise UsageError(f"guidance {options.guidance} needs negative rows, but {enc.source} was encoded with "
+                         "--no-negative; encode again with a negative prompt or use --guidance 1")
+    channels = int(model.checkpoint.config("transformer").get("latent_channels", 128))
+    shape = (1, channels, options.height // PATCH, options.width // PATCH)
+    x0 = noise.randn(shape, options.seed, kernel=options.noise)
+    sig = schedule.sigmas(options.steps, shift=options.shift)
+    dit = model.transformer
+    cond = dit.prepare_text(cond_rows)
+    uncond = dit.prepare_text(uncond_rows) if options.cfg else None
+    record = {"noise": x0, "sigmas": sig} if trace else None
+    n = len(sig) - 1
+
+    def on_step(i, sigma, latents_in, velocity):
+        model.progress.step(i, n, float(sig[i]), float(sig[i + 1]))
+        if record is not None:
+            record[f"latents.{i:03d}"] = np.array(latents_in, dtype=np.float32)
+            record[f"velocity.{i:03d}"] = np.array(velocity, dtype=np.float32)
+
+    latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
+                             uncond_skip_layers=options.uncond_skip_layers,
+                             skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step)
+    meta = dict(options.metadata())
+    meta.update({"moss.enc_sha256": enc.sha256, "moss.prompt": enc.metadata.get("moss.prompt", ""),
+                 "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",
+                 "moss.device": model.device})
+    lat = artifacts.build("denoise", {"latents": np.asarray(latents, dtype=np.float32)}, meta, model.fingerprint)
+    traced = artifacts.build("trace", record, meta, model.fingerprint) if trace else None
+    return lat, traced
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+PNG_KEYS = ("prompt", "negative", "seed", "steps", "guidance", "shift", "width", "height",
+            "uncond_skip_layers", "skip_start", "skip_stop", "noise", "model")
+
+
+def decode(model, lat):
+    """PNG bytes for a LAT artifact."""
+    from .png import encode_png
+    from .vae import to_pixels
+
+    x = lat.tensors.get("latents")
+    vae_cfg = model.checkpoint.config("vae")
+    channels = int(vae_cfg.get("latent_channels", 32)) * 4
+    if x is None:
+        raise ArtifactError(f"{lat.source}: has no latents tensor")
+    if x.dtype != np.float32 or x.ndim != 4 or x.shape[0] != 1 or x.shape[1] != channels or min(x.shape) < 1:
+        raise ArtifactError(f"{lat.source}: latents are {x.dtype}{list(x.shape)}, expected float32[1, {channels}, h, w]")
+    if not np.all(np.isfinite(x)):
+        raise ArtifactError(f"{lat.source}: latents hold NaN or infinite values")
+    model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
+    pixels = to_pixels(model.decoder(x))
+    params = {k: lat.metadata.get(f"moss.{k}", "") for k in PNG_KEYS}
+    params["moss_cli"] = lat.metadata.get("moss.version", "")
+    return encode_png(pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)})
