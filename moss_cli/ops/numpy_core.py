@@ -2,6 +2,8 @@
 
 import numpy as np
 
+ATTENTION_BLOCK = 1024   # query rows per score block
+
 
 class CoreOps:
     dtype: np.dtype
@@ -98,18 +100,24 @@ class CoreOps:
     def attention(self, q, k, v, scale, causal=False):
         """softmax(q k^T * scale) v per head; q [L, Hq, d], k [S, Hk, d], v [S, Hk, dv] -> [L, Hq, dv].
 
-        Grouped heads: query head i reads key/value head i // (Hq // Hk).
+        Grouped heads: query head i reads key/value head i // (Hq // Hk). Causal aligns the last query
+        with the last key. Queries go in blocks so the score matrix stays small at 16k tokens.
         """
         hq, hk = q.shape[1], k.shape[1]
         group = hq // hk
-        kk = np.repeat(np.transpose(k, (1, 0, 2)), group, axis=0)   # [Hq, S, d]
-        vv = np.repeat(np.transpose(v, (1, 0, 2)), group, axis=0)
-        qq = np.transpose(q, (1, 0, 2))                             # [Hq, L, d]
-        s = (qq @ np.transpose(kk, (0, 2, 1))) * self.dtype.type(scale)
-        if causal:
-            L, S = s.shape[1], s.shape[2]
-            s = np.where(np.tril(np.ones((L, S), dtype=bool), k=S - L), s, -np.inf)
-        s = s - np.max(s, axis=-1, keepdims=True)
-        p = np.exp(s)
-        p = p / np.sum(p, axis=-1, keepdims=True)
-        return np.ascontiguousarray(np.transpose(p @ vv, (1, 0, 2)))
+        kt = np.repeat(np.transpose(k, (1, 2, 0)), group, axis=0)    # [Hq, d, S]
+        vv = np.repeat(np.transpose(v, (1, 0, 2)), group, axis=0)    # [Hq, S, dv]
+        qq = np.transpose(q, (1, 0, 2))                              # [Hq, L, d]
+        L, S = q.shape[0], k.shape[0]
+        out = np.empty((hq, L, v.shape[2]), dtype=np.result_type(q, v))
+        for start in range(0, L, ATTENTION_BLOCK):
+            stop = min(L, start + ATTENTION_BLOCK)
+            s = (qq[:, start:stop] @ kt) * self.dtype.type(scale)
+            if causal:
+                rows = np.arange(start, stop)[:, None] + (S - L)
+                s = np.where(np.arange(S)[None, :] <= rows, s, -np.inf)
+            s = s - np.max(s, axis=-1, keepdims=True)
+            p = np.exp(s)
+            p = p / np.sum(p, axis=-1, keepdims=True)
+            out[:, start:stop] = p @ vv
+        return np.ascontiguousarray(np.transpose(out, (1, 0, 2)))
