@@ -1,0 +1,216 @@
+"""The commands as a user runs them: bytes, pipes, determinism and one-line errors (pipeline.md)."""
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cli_util import copy_model, error_lines, run
+from moss_cli.safetensors_io import dumps, load
+
+FAST = ["--width", "64", "--height", "48", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def enc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("enc") / "p.enc"
+    r = run("moss-encode", "--prompt", "a red fox in snow", "--out", out, "--quiet")
+    assert r.code == 0, r.stderr
+    return out
+
+
+def _single_error(r):
+    assert r.code != 0
+    errors = error_lines(r)
+    assert len(errors) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    return errors[0]
+
+
+def test_encode_twice_gives_identical_bytes(tmp_path, enc):
+    again = tmp_path / "again.enc"
+    assert run("moss-encode", "--prompt", "a red fox in snow", "--out", again, "--quiet").code == 0
+    assert again.read_bytes() == enc.read_bytes()
+    tensors, meta = load(enc)
+    assert meta["moss.stage"] == "encode" and meta["moss.prompt"] == "a red fox in snow"
+    assert tensors["prompt_rows"].dtype == np.float32 and tensors["prompt_ids"].dtype == np.int32
+    assert tensors["prompt_rows"].shape[0] == tensors["prompt_ids"].shape[0]
+    assert "negative_rows" in tensors
+
+
+def test_encode_to_stdout_equals_file(enc):
+    r = run("moss-encode", "--prompt", "a red fox in snow", "--out", "-", "--quiet")
+    assert r.code == 0 and r.stdout == enc.read_bytes()
+
+
+def test_encode_of_the_embedded_checkpoint_is_fast(tmp_path):
+    t0 = time.perf_counter()
+    assert run("moss-encode", "--prompt", "a lighthouse at dusk", "--out", tmp_path / "x.enc", "--quiet").code == 0
+    assert time.perf_counter() - t0 < 2.0 * float(os.environ.get("MOSS_TIME_SLACK", "1"))
+
+
+def test_image_equals_chain_through_files_and_pipes(tmp_path):
+    common = ["--seed", "42", *FAST]
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    assert run("moss-image", "--prompt", "a red fox", *common, "--picture", tmp_path / "one.png",
+               "--keep", keep, "--quiet").code == 0
+    assert run("moss-image", "--prompt", "a red fox", *common, "--picture", tmp_path / "two.png",
+               "--quiet").code == 0
+    assert run("moss-encode", "--prompt", "a red fox", "--out", tmp_path / "p.enc", "--quiet").code == 0
+    assert run("moss-denoise", tmp_path / "p.enc", *common, "--out", tmp_path / "p.lat", "--quiet").code == 0
+    assert run("moss-decode", tmp_path / "p.lat", "--out", tmp_path / "chain.png", "--quiet").code == 0
+    enc = run("moss-encode", "--prompt", "a red fox", "--out", "-", "--quiet")
+    lat = run("moss-denoise", "-", *common, "--out", "-", "--quiet", stdin=enc.stdout)
+    png = run("moss-decode", "-", "--out", "-", "--quiet", stdin=lat.stdout)
+    one = (tmp_path / "one.png").read_bytes()
+    assert one == (tmp_path / "two.png").read_bytes() == (tmp_path / "chain.png").read_bytes() == png.stdout
+    assert (keep / "prompt.enc").read_bytes() == (tmp_path / "p.enc").read_bytes() == enc.stdout
+    assert (keep / "latents.lat").read_bytes() == (tmp_path / "p.lat").read_bytes() == lat.stdout
+    picture = Image.open(tmp_path / "one.png")
+    assert picture.mode == "RGB" and picture.size == (64, 48)
+    params = json.loads(picture.text["parameters"])
+    assert params["seed"] == "42" and params["prompt"] == "a red fox" and params["steps"] == "3"
+
+
+def test_trace_holds_noise_sigmas_and_each_step(tmp_path, enc):
+    r = run("moss-denoise", enc, "--seed", "7", *FAST, "--trace", tmp_path / "t.trace", "--out",
+            tmp_path / "l.lat", "--quiet")
+    assert r.code == 0, r.stderr
+    trace, meta = load(tmp_path / "t.trace")
+    lat, _ = load(tmp_path / "l.lat")
+    assert meta["moss.stage"] == "trace"
+    np.testing.assert_array_equal(trace["latents.000"], trace["noise"])
+    assert trace["sigmas"].shape == (4,) and trace["sigmas"][-1] == 0
+    for i in range(3):   # x_{i+1} = x_i + (s_{i+1} - s_i) v_i, in float32
+        dt = np.float32(trace["sigmas"][i + 1] - trace["sigmas"][i])
+        nxt = trace[f"latents.{i + 1:03d}"] if i < 2 else lat["latents"]
+        np.testing.assert_array_equal(nxt, trace[f"latents.{i:03d}"] + dt * trace[f"velocity.{i:03d}"])
+
+
+def test_full_fifty_steps_work(tmp_path):
+    r = run("moss-image", "--prompt", "x", "--seed", "1", "--width", "32", "--height", "32", "--steps", "50",
+            "--picture", tmp_path / "p.png", "--quiet")
+    assert r.code == 0, r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--width", "100"], "multiple of 16"),
+    (["--height", "0"], "multiple of 16"),
+    (["--steps", "0"], "at least 1"),
+    (["--guidance", "-1"], ">= 0"),
+    (["--guidance", "nan"], "finite"),
+    (["--guidance", "inf"], "finite"),
+])
+def test_denoise_rejects_bad_options(tmp_path, enc, args, needle):
+    out = tmp_path / "x.lat"
+    line = _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, *args, "--out", out))
+    assert needle in line and not out.exists()
+
+
+def test_denoise_needs_negative_rows_for_cfg(tmp_path):
+    assert run("moss-encode", "--prompt", "p", "--no-negative", "--out", tmp_path / "n.enc", "--quiet").code == 0
+    out = tmp_path / "x.lat"
+    line = _single_error(run("moss-denoise", tmp_path / "n.enc", "--seed", "1", *FAST, "--out", out))
+    assert "--no-negative" in line and not out.exists()
+    assert run("moss-denoise", tmp_path / "n.enc", "--seed", "1", *FAST, "--guidance", "1", "--out", out,
+               "--quiet").code == 0
+
+
+def test_artifacts_of_another_stage_or_model_or_garbage_are_refused(tmp_path, enc):
+    other = copy_model(tmp_path)
+    cfg = json.loads((other / "scheduler" / "scheduler_config.json").read_text())
+    cfg["num_train_timesteps"] = 1000  # same values, new bytes: still another fingerprint
+    (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(cfg, indent=1))
+    out = tmp_path / "x.lat"
+    assert "another model" in _single_error(run("moss-denoise", enc, "--model", other, "--seed", "1", *FAST,
+                                                "--out", out))
+    (tmp_path / "junk.enc").write_bytes(b"\x00" * 40)
+    assert "not a valid" in _single_error(run("moss-denoise", tmp_path / "junk.enc", "--seed", "1", "--out", out))
+    (tmp_path / "cut.enc").write_bytes(enc.read_bytes()[:-100])
+    assert "not a valid" in _single_error(run("moss-denoise", tmp_path / "cut.enc", "--seed", "1", "--out", out))
+    assert not out.exists()
+
+
+def test_decode_refuses_wrong_stage_shape_truncation_and_other_vae(tmp_path, enc):
+    lat = tmp_path / "l.lat"
+    assert run("moss-denoise", enc, "--seed", "3", *FAST, "--out", lat, "--quiet").code == 0
+    png = tmp_path / "p.png"
+    assert "expected LAT" in _single_error(run("moss-decode", enc, "--out", png))
+    tensors, meta = load(lat)
+    (tmp_path / "bad.lat").write_bytes(dumps({"latents": tensors["latents"][:, :64]}, meta))
+    assert "expected float32[1, 128" in _single_error(run("moss-decode", tmp_path / "bad.lat", "--out", png))
+    (tmp_path / "cut.lat").write_bytes(lat.read_bytes()[:-7])
+    assert "not a valid LAT" in _single_error(run("moss-decode", tmp_path / "cut.lat", "--out", png))
+    other = copy_model(tmp_path)
+    cfg = json.loads((other / "vae" / "config.json").read_text())
+    cfg["batch_norm_eps"] = 1e-3
+    (other / "vae" / "config.json").write_text(json.dumps(cfg))
+    assert "another model" in _single_error(run("moss-decode", lat, "--model", other, "--out", png))
+    assert not png.exists()
+
+
+def test_unwritable_outputs_fail_before_any_work(tmp_path):
+    missing = tmp_path / "no" / "such" / "x.enc"
+    assert "does not exist" in _single_error(run("moss-encode", "--prompt", "p", "--out", missing))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):   # running as root: permissions do not bind
+        pytest.skip("permissions are not enforced for this user")
+    assert "not writable" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
+                                               "--picture", ro / "p.png"))
+    assert list(ro.iterdir()) == []
+
+
+@pytest.mark.parametrize("breakage,needle", [
+    ("no-folder", "does not exist"),
+    ("no-component", "vae"),
+    ("no-tensor", "layers.3.self_attn.k_norm.weight"),
+    ("wrong-shape", "layers.0.mlp.up_proj.weight"),
+    ("truncated", "model.safetensors"),
+])
+def test_encode_names_what_is_wrong_with_the_checkpoint(tmp_path, breakage, needle):
+    import shutil
+    model = copy_model(tmp_path)
+    te = model / "text_encoder" / "model.safetensors"
+    if breakage == "no-folder":
+        model = tmp_path / "nowhere"
+    elif breakage == "no-component":
+        shutil.rmtree(model / "vae")
+    elif breakage in ("no-tensor", "wrong-shape"):
+        tensors, meta = load(te)
+        tensors = {k: np.array(v) for k, v in tensors.items()}
+        prefix = "model.language_model."
+        if breakage == "no-tensor":
+            del tensors[prefix + "layers.3.self_attn.k_norm.weight"]
+        else:
+            w = tensors[prefix + "layers.0.mlp.up_proj.weight"]
+            tensors[prefix + "layers.0.mlp.up_proj.weight"] = w[:-1]
+        te.write_bytes(dumps(tensors, meta))
+    else:
+        te.write_bytes(te.read_bytes()[:-1000])
+    out = tmp_path / "x.enc"
+    line = _single_error(run("moss-encode", "--model", model, "--prompt", "p", "--out", out))
+    assert needle in line and not out.exists()
+
+
+def test_prompt_over_the_limit_is_truncated_with_a_warning(tmp_path):
+    out = tmp_path / "long.enc"
+    r = run("moss-encode", "--prompt", "fox " * 5000, "--no-negative", "--out", out, "--quiet")
+    assert r.code == 0 and "warning" in r.stderr
+    tensors, _ = load(out)
+    assert tensors["prompt_ids"].shape == (4096,)
+
+
+def test_no_gpu_for_device_cuda_is_one_line(tmp_path):
+    from moss_cli.device import gpu_status
+    if gpu_status()[0]:
+        pytest.skip("a GPU is usable here")
+    out = tmp_path / "x.enc"
+    assert "--device cuda" in _single_error(run("moss-encode", "--prompt", "p", "--device", "cuda", "--out", out))
+    assert not out.exists()
