@@ -1,0 +1,252 @@
+"""The MOSS-Image DiT (MOSSImageTransformer): packed latents + refined text + timestep -> velocity.
+
+One graph over the op table (`moss_cli.ops`): a 2-block text refiner, `num_layers` single-stream joint
+blocks over [image ; text] sharing one adaLN modulation, and a modulated head on the image tokens.
+Host-side tables (time sinusoid, RoPE cos/sin) are built in numpy and handed to the ops.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CheckpointError, UsageError
+
+DEFAULTS = {
+    "dim": 3072,
+    "ffn_dim": 8192,
+    "num_heads": 24,
+    "num_layers": 42,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "latent_channels": 128,
+    "rope_base": 10000.0,
+}
+TEXT_BLOCKS = 2          # text_embedder.blocks.{0,1}
+ROPE_AXES = 4            # (r, t, h, w) position axes
+EPS = 1e-6               # every RMSNorm: blocks, q/k, final
+TIME_PERIOD = 10000.0    # time sinusoid base: freq_k = 10000^(-k/half)
+
+
+def model_config(config):
+    """The eight shape keys of transformer/config.json, defaults filled in, checked for consistency."""
+    c = {k: type(v)(config.get(k, v)) for k, v in DEFAULTS.items()}
+    if c["dim"] % c["num_heads"]:
+        raise CheckpointError(f"transformer config: dim {c['dim']} is not a multiple of num_heads {c['num_heads']}")
+    if (c["dim"] // c["num_heads"]) % (2 * ROPE_AXES):
+        raise CheckpointError(f"transformer config: head_dim {c['dim'] // c['num_heads']} is not a multiple of 8")
+    if c["freq_dim"] % 2:
+        raise CheckpointError(f"transformer config: freq_dim {c['freq_dim']} is odd")
+    return c
+
+
+def expected_tensors(config):
+    """Every tensor the graph reads, name -> shape, names as in the official checkpoint (rope.bands unused)."""
+    c = model_config(config)
+    d, f, hd = c["dim"], c["ffn_dim"], c["dim"] // c["num_heads"]
+    out = {
+        "video_embedder.weight": (d, c["latent_channels"]), "video_embedder.bias": (d,),
+        "text_embedder.proj.weight": (d, c["text_dim"]), "text_embedder.proj.bias": (d,),
+        "time_embedding.0.weight": (d, c["freq_dim"]), "time_embedding.0.bias": (d,),
+        "time_embedding.2.weight": (d, d), "time_embedding.2.bias": (d,),
+        "shared_block_modulation.weight": (6 * d, d), "shared_block_modulation.bias": (6 * d,),
+        "final_norm_video.weight": (d,),
+        "final_linear_video.weight": (c["latent_channels"], d),
+        "video_head_modulation.weight": (2 * d, d), "video_head_modulation.bias": (2 * d,),
+    }
+    for b in range(TEXT_BLOCKS):
+        p = f"text_embedder.blocks.{b}."
+        out.update({
+            p + "norm1.weight": (d,), p + "norm2.weight": (d,),
+            p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,),
+            p + "qkv.weight": (3 * d, d), p + "qkv.bias": (3 * d,),
+            p + "proj.weight": (d, d), p + "proj.bias": (d,),
+            p + "ffn_gate.weight": (f, d), p + "ffn_gate.bias": (f,),
+            p + "ffn_up.weight": (f, d), p + "ffn_up.bias": (f,),
+            p + "ffn_down.weight": (d, f), p + "ffn_down.bias": (d,),
+        })
+    for i in range(c["num_layers"]):
+        p = f"layers.{i}."
+        out.update({
+            p + "norm1.weight": (d,), p + "norm2.weight": (d,),
+            p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,),
+            p + "proj.q.weight": (d, d), p + "proj.k.weight": (d, d),
+            p + "proj.v.weight": (d, d), p + "proj.o.weight": (d, d),
+            p + "proj.ffn_up_gate.weight": (2 * f, d),
+            p + "proj.ffn_down.weight": (d, f),
+        })
+    return out
+
+
+def check_layers(layers, num_layers):
+    """The skip-layer set as a frozenset, each index a joint block 0..num_layers-1."""
+    layers = frozenset(int(i) for i in layers)
+    bad = sorted(i for i in layers if not 0 <= i < num_layers)
+    if bad:
+        raise UsageError(f"skip layer {bad[0]} does not exist: the transformer has blocks 0..{num_layers - 1}")
+    return layers
+
+
+def time_sinusoid(timestep, freq_dim):
+    """[1, freq_dim] = [cos(t f_k) | sin(t f_k)], f_k = 10000^(-k/half), t promoted fp32 -> float64."""
+    half = freq_dim // 2
+    t = np.float64(np.float32(timestep))
+    freqs = np.exp(-math.log(TIME_PERIOD) * np.arange(half, dtype=np.float64) / half)
+    phase = t * freqs
+    return np.concatenate([np.cos(phase), np.sin(phase)])[None, :]
+
+
+def positions(h, w, length):
+    """RoPE positions [h*w + length, 4] over axes (r, t, h, w): image tokens first, then text.
+
+    Image token (y, x) sits at (0, L, y - (h-1)/2, x - (w-1)/2) (row-major); text token i at (0, i, 0, 0).
+    """
+    ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    image = np.zeros((h * w, ROPE_AXES))
+    image[:, 1] = length
+    image[:, 2] = ys.reshape(-1) - (h - 1) / 2
+    image[:, 3] = xs.reshape(-1) - (w - 1) / 2
+    text = np.zeros((length, ROPE_AXES))
+    text[:, 1] = np.arange(length)
+    return np.concatenate([image, text]).astype(np.float32)
+
+
+def rope_tables(pos, head_dim, base, dtype):
+    """cos, sin [N, head_dim/2] in `dtype`: dim j rotates with axis j // bands at band j % bands.
+
+    The bands 1/base^(j/bands) are built in fp32 (the checkpoint's rope.bands is ignored: bf16 cannot
+    hold them); the phase and sin/cos are computed in `dtype` (float32 on the CPU path).
+    """
+    n = head_dim // (2 * ROPE_AXES)
+    f32 = np.float32
+    bands = f32(1) / np.power(f32(base), np.arange(n, dtype=f32) / f32(n))
+    phase = (pos.astype(dtype)[:, :, None] * bands.astype(dtype)[None, None, :]).reshape(len(pos), -1)
+    return np.cos(phase), np.sin(phase)
+
+
+@dataclass(frozen=True)
+class Text:
+    """A prompt after the text refiner: tokens [L, dim] as op-table arrays."""
+
+    tokens: object
+    length: int
+
+
+class MossTransformer:
+    """MOSSImageTransformer over an op table and a tensors mapping with the checkpoint's names."""
+
+    def __init__(self, ops, tensors, config):
+        self.ops = ops
+        self.tensors = tensors
+        self.config = model_config(config)
+        self.num_layers = self.config["num_layers"]
+        self.heads = self.config["num_heads"]
+        self.head_dim = self.config["dim"] // self.heads
+        self._tables = {}
+        self._cond = (None, None)
+
+    def _p(self, name):
+        return self.ops.param(self.tensors, name)
+
+    # --- host tables, cached -----------------------------------------------------------------
+    def _rope(self, h, w, length):
+        key = (h, w, length)
+        if key not in self._tables:
+            cos, sin = rope_tables(positions(h, w, length), self.head_dim, self.config["rope_base"],
+                                   self.ops.dtype)
+            self._tables[key] = (self.ops.array(cos), self.ops.array(sin))
+        return self._tables[key]
+
+    def _conditioning(self, timestep):
+        """The six block vectors and the head (shift, scale), each [1, dim]; computed once per timestep."""
+        key = float(np.float32(timestep))
+        if self._cond[0] != key:
+            ops, d = self.ops, self.config["dim"]
+            e = ops.array(time_sinusoid(key, self.config["freq_dim"]))
+            h = ops.silu(ops.linear(e, self._p("time_embedding.0.weight"), self._p("time_embedding.0.bias")))
+            time = ops.linear(h, self._p("time_embedding.2.weight"), self._p("time_embedding.2.bias"))
+            mod = ops.linear(time, self._p("shared_block_modulation.weight"), self._p("shared_block_modulation.bias"))
+            head = ops.linear(time, self._p("video_head_modulation.weight"), self._p("video_head_modulation.bias"))
+            mod = [ops.slice(mod, 1, k * d, (k + 1) * d) for k in range(6)]
+            head = [ops.slice(head, 1, k * d, (k + 1) * d) for k in range(2)]
+            self._cond = (key, (mod, head))
+        return self._cond[1]
+
+    # --- pieces ------------------------------------------------------------------------------
+    def _heads(self, x):
+        return self.ops.reshape(x, (x.shape[0], self.heads, self.head_dim))
+
+    def _qk(self, x, norm, cos, sin):
+        """Per-head RMSNorm, then RoPE."""
+        return self.ops.rope(self.ops.rms_norm(self._heads(x), norm, EPS), cos, sin)
+
+    def _attend(self, q, k, v):
+        o = self.ops.attention(q, k, v, 1.0 / math.sqrt(self.head_dim))
+        return self.ops.reshape(o, (o.shape[0], self.heads * self.head_dim))
+
+    def _text_block(self, b, x, cos, sin):
+        ops, d = self.ops, self.config["dim"]
+        p = f"text_embedder.blocks.{b}."
+        y = ops.rms_norm(x, self._p(p + "norm1.weight"), EPS)
+        qkv = ops.linear(y, self._p(p + "qkv.weight"), self._p(p + "qkv.bias"))
+        q = self._qk(ops.slice(qkv, 1, 0, d), self._p(p + "q_norm.weight"), cos, sin)
+        k = self._qk(ops.slice(qkv, 1, d, 2 * d), self._p(p + "k_norm.weight"), cos, sin)
+        v = self._heads(ops.slice(qkv, 1, 2 * d, 3 * d))
+        x = ops.add(x, ops.linear(self._attend(q, k, v), self._p(p + "proj.weight"), self._p(p + "proj.bias")))
+        y = ops.rms_norm(x, self._p(p + "norm2.weight"), EPS)
+        a = ops.situ(ops.linear(y, self._p(p + "ffn_up.weight"), self._p(p + "ffn_up.bias")),
+                     ops.linear(y, self._p(p + "ffn_gate.weight"), self._p(p + "ffn_gate.bias")))
+        return ops.add(x, ops.linear(a, self._p(p + "ffn_down.weight"), self._p(p + "ffn_down.bias")))
+
+    def _joint_block(self, i, x, mod, cos, sin):
+        ops, f = self.ops, self.config["ffn_dim"]
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod
+        p = f"layers.{i}."
+        y = ops.modulate(ops.rms_norm(x, self._p(p + "norm1.weight"), EPS), shift_a, scale_a)
+        q = self._qk(ops.linear(y, self._p(p + "proj.q.weight")), self._p(p + "q_norm.weight"), cos, sin)
+        k = self._qk(ops.linear(y, self._p(p + "proj.k.weight")), self._p(p + "k_norm.weight"), cos, sin)
+        v = self._heads(ops.linear(y, self._p(p + "proj.v.weight")))
+        x = ops.gated_residual(x, ops.linear(self._attend(q, k, v), self._p(p + "proj.o.weight")), gate_a)
+        y = ops.modulate(ops.rms_norm(x, self._p(p + "norm2.weight"), EPS), shift_f, scale_f)
+        up_gate = ops.linear(y, self._p(p + "proj.ffn_up_gate.weight"))
+        a = ops.situ(ops.slice(up_gate, 1, 0, f), ops.slice(up_gate, 1, f, 2 * f))
+        return ops.gated_residual(x, ops.linear(a, self._p(p + "proj.ffn_down.weight")), gate_f)
+
+    # --- public ------------------------------------------------------------------------------
+    def prepare_text(self, rows):
+        """Run the text refiner on one prompt's encoder rows [L, text_dim]; reuse the result for every step."""
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] != self.config["text_dim"]:
+            raise UsageError(f"text rows must be [L >= 1, {self.config['text_dim']}], got {list(rows.shape)}")
+        ops, n = self.ops, rows.shape[0]
+        cos, sin = rope_tables(positions(0, 0, n), self.head_dim, self.config["rope_base"], ops.dtype)
+        cos, sin = ops.array(cos), ops.array(sin)
+        x = ops.linear(ops.array(rows), self._p("text_embedder.proj.weight"), self._p("text_embedder.proj.bias"))
+        for b in range(TEXT_BLOCKS):
+            x = self._text_block(b, x, cos, sin)
+        return Text(x, n)
+
+    def velocity(self, latents, timestep, text, skip_layers=frozenset()):
+        """Velocity [1, C, h, w] for packed latents [1, C, h, w] at timestep t (= sigma * 1000).
+
+        Blocks in `skip_layers` are not run (the stream passes through). Returns float32, or float64 on the
+        float64 reference table.
+        """
+        ops, ch = self.ops, self.config["latent_channels"]
+        if latents.ndim != 4 or latents.shape[:2] != (1, ch):
+            raise UsageError(f"latents must be [1, {ch}, h, w], got {list(latents.shape)}")
+        skip = check_layers(skip_layers, self.num_layers)
+        h, w = latents.shape[2:]
+        n = h * w
+        mod, head = self._conditioning(timestep)
+        cos, sin = self._rope(h, w, text.length)
+        x = ops.transpose(ops.reshape(ops.array(latents), (ch, n)), (1, 0))   # token y*w + x
+        x = ops.linear(x, self._p("video_embedder.weight"), self._p("video_embedder.bias"))
+        x = ops.concat([x, text.tokens], axis=0)
+        for i in range(self.num_layers):
+            if i not in skip:
+                x = self._joint_block(i, x, mod, cos, sin)
+        x = ops.rms_norm(ops.slice(x, 0, 0, n), self._p("final_norm_video.weight"), EPS)
+        v = ops.linear(ops.modulate(x, head[0], head[1]), self._p("final_linear_video.weight"))
+        out = ops.host(ops.reshape(ops.transpose(v, (1, 0)), (1, ch, h, w)))
+        return out.astype(np.promote_types(out.dtype, np.float32))
