@@ -1,0 +1,168 @@
+"""FLUX.2 (small) VAE decoder: packed 128-channel latents -> RGB image in [-1, 1], and diffusers' uint8 rounding.
+
+Tensor names are diffusers' AutoencoderKLFlux2 state dict names; only the decode path is read.
+"""
+
+import math
+
+import numpy as np
+
+from .errors import ArtifactError
+
+BATCH_NORM_EPS = 1e-4   # config batch_norm_eps default; the pipeline adds it to bn.running_var
+NORM_EPS = 1e-6         # every decoder GroupNorm (hard-coded in diffusers' Decoder)
+ATTENTION_ROWS = 4096   # query rows per attention call, so the score matrix stays small on the CPU
+
+
+def _config(config):
+    """The decode-relevant settings with diffusers' defaults."""
+    encoder_widths = list(config.get("block_out_channels", (128, 256, 512, 512)))
+    return {
+        "widths": list(config.get("decoder_block_out_channels") or encoder_widths),
+        "layers": int(config.get("layers_per_block", 2)),
+        "latent": int(config.get("latent_channels", 32)),
+        "groups": int(config.get("norm_num_groups", 32)),
+        "out": int(config.get("out_channels", 3)),
+        "patch": tuple(config.get("patch_size", (2, 2))),
+        "post_quant_conv": bool(config.get("use_post_quant_conv", True)),
+        "attention": bool(config.get("mid_block_add_attention", True)),
+        "bn_eps": float(config.get("batch_norm_eps", BATCH_NORM_EPS)),
+    }
+
+
+def _up_blocks(widths):
+    """(input width, output width, has upsampler) of each diffusers up_blocks[i], deepest first."""
+    rev = list(reversed(widths))
+    return [(rev[max(i - 1, 0)], rev[i], i < len(rev) - 1) for i in range(len(rev))]
+
+
+def _resnet_tensors(prefix, cin, cout):
+    t = {
+        prefix + "norm1.weight": (cin,), prefix + "norm1.bias": (cin,),
+        prefix + "conv1.weight": (cout, cin, 3, 3), prefix + "conv1.bias": (cout,),
+        prefix + "norm2.weight": (cout,), prefix + "norm2.bias": (cout,),
+        prefix + "conv2.weight": (cout, cout, 3, 3), prefix + "conv2.bias": (cout,),
+    }
+    if cin != cout:
+        t[prefix + "conv_shortcut.weight"] = (cout, cin, 1, 1)
+        t[prefix + "conv_shortcut.bias"] = (cout,)
+    return t
+
+
+def expected_tensors(config):
+    """Every tensor the decode path reads, name -> shape."""
+    c = _config(config)
+    lat, top, packed = c["latent"], c["widths"][-1], c["latent"] * math.prod(c["patch"])
+    t = {"bn.running_mean": (packed,), "bn.running_var": (packed,)}
+    if c["post_quant_conv"]:
+        t["post_quant_conv.weight"] = (lat, lat, 1, 1)
+        t["post_quant_conv.bias"] = (lat,)
+    t["decoder.conv_in.weight"] = (top, lat, 3, 3)
+    t["decoder.conv_in.bias"] = (top,)
+    for j in range(2):
+        t.update(_resnet_tensors(f"decoder.mid_block.resnets.{j}.", top, top))
+    if c["attention"]:
+        a = "decoder.mid_block.attentions.0."
+        t[a + "group_norm.weight"] = (top,)
+        t[a + "group_norm.bias"] = (top,)
+        for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+            t[a + proj + ".weight"] = (top, top)
+            t[a + proj + ".bias"] = (top,)
+    for i, (cin, cout, up) in enumerate(_up_blocks(c["widths"])):
+        for j in range(c["layers"] + 1):
+            t.update(_resnet_tensors(f"decoder.up_blocks.{i}.resnets.{j}.", cin if j == 0 else cout, cout))
+        if up:
+            t[f"decoder.up_blocks.{i}.upsamplers.0.conv.weight"] = (cout, cout, 3, 3)
+            t[f"decoder.up_blocks.{i}.upsamplers.0.conv.bias"] = (cout,)
+    bottom = c["widths"][0]
+    t["decoder.conv_norm_out.weight"] = (bottom,)
+    t["decoder.conv_norm_out.bias"] = (bottom,)
+    t["decoder.conv_out.weight"] = (c["out"], bottom, 3, 3)
+    t["decoder.conv_out.bias"] = (c["out"],)
+    return t
+
+
+class Decoder:
+    """latents [1, 128, h, w] (the transformer's packed, BN-normalised space) -> image [3, 16h, 16w] in [-1, 1]."""
+
+    def __init__(self, ops, tensors, config):
+        self.ops = ops
+        self.tensors = tensors
+        self.c = _config(config)
+        # mean and std in the buffers' compute dtype, as the pipeline builds them before the multiply-add
+        var = np.asarray(tensors["bn.running_var"]).astype(ops.dtype)
+        mean = np.asarray(tensors["bn.running_mean"]).astype(ops.dtype)
+        self.bn_std = ops.array(np.sqrt(var + ops.dtype.type(self.c["bn_eps"]))[:, None, None])
+        self.bn_mean = ops.array(mean[:, None, None])
+
+    def __call__(self, latents):
+        """The clamped image on the host, in the op table's dtype."""
+        return self.ops.host(self.ops.clamp(self.raw(latents), -1.0, 1.0))
+
+    def raw(self, latents):
+        """The decoder output before the clamp, as an op-table array [3, H, W]."""
+        ops, c = self.ops, self.c
+        pi, pj = c["patch"]
+        packed = c["latent"] * pi * pj
+        latents = np.asarray(latents)
+        if latents.ndim != 4 or latents.shape[0] != 1 or latents.shape[1] != packed:
+            raise ArtifactError(f"latents have shape {list(latents.shape)}, the VAE expects [1, {packed}, h, w]")
+        _, _, h, w = latents.shape
+        z = ops.array(latents[0])
+        z = ops.add(ops.mul(z, self.bn_std), self.bn_mean)
+        # unpatchify: packed channel 4c + 2i + j -> channel c, pixel (2y + i, 2x + j)
+        z = ops.reshape(z, (c["latent"], pi, pj, h, w))
+        z = ops.reshape(ops.transpose(z, (0, 3, 1, 4, 2)), (c["latent"], h * pi, w * pj))
+        if c["post_quant_conv"]:
+            z = self._conv(z, "post_quant_conv.", 0)
+        x = self._conv(z, "decoder.conv_in.", 1)
+        x = self._resnet(x, "decoder.mid_block.resnets.0.")
+        if c["attention"]:
+            x = self._attention(x, "decoder.mid_block.attentions.0.")
+        x = self._resnet(x, "decoder.mid_block.resnets.1.")
+        for i, (_, _, up) in enumerate(_up_blocks(c["widths"])):
+            for j in range(c["layers"] + 1):
+                x = self._resnet(x, f"decoder.up_blocks.{i}.resnets.{j}.")
+            if up:
+                x = self._conv(ops.upsample_nearest2x(x), f"decoder.up_blocks.{i}.upsamplers.0.conv.", 1)
+        x = ops.silu(self._norm(x, "decoder.conv_norm_out."))
+        return self._conv(x, "decoder.conv_out.", 1)
+
+    def _p(self, name):
+        return self.ops.param(self.tensors, name)
+
+    def _conv(self, x, prefix, padding):
+        return self.ops.conv2d(x, self._p(prefix + "weight"), self._p(prefix + "bias"), padding)
+
+    def _norm(self, x, prefix):
+        return self.ops.group_norm(x, self.c["groups"], self._p(prefix + "weight"), self._p(prefix + "bias"), NORM_EPS)
+
+    def _resnet(self, x, prefix):
+        """ResnetBlock2D: x + conv2(silu(norm2(conv1(silu(norm1(x)))))), x through a 1x1 conv_shortcut when widths differ."""
+        ops = self.ops
+        h = self._conv(ops.silu(self._norm(x, prefix + "norm1.")), prefix + "conv1.", 1)
+        h = self._conv(ops.silu(self._norm(h, prefix + "norm2.")), prefix + "conv2.", 1)
+        if x.shape[0] != h.shape[0]:
+            x = self._conv(x, prefix + "conv_shortcut.", 0)
+        return ops.add(x, h)
+
+    def _attention(self, x, prefix):
+        """Single-head self-attention over the H*W pixels (head dim = C, scale 1/sqrt(C)), plus the residual."""
+        ops = self.ops
+        ch, h, w = x.shape
+        n = h * w
+        t = ops.transpose(ops.reshape(self._norm(x, prefix + "group_norm."), (ch, n)), (1, 0))   # [N, C]
+        q, k, v = (ops.reshape(ops.linear(t, self._p(prefix + p + ".weight"), self._p(prefix + p + ".bias")), (n, 1, ch))
+                   for p in ("to_q", "to_k", "to_v"))
+        scale = 1.0 / math.sqrt(ch)
+        o = ops.concat([ops.attention(ops.slice(q, 0, r, min(n, r + ATTENTION_ROWS)), k, v, scale)
+                        for r in range(0, n, ATTENTION_ROWS)], axis=0)
+        o = ops.linear(ops.reshape(o, (n, ch)), self._p(prefix + "to_out.0.weight"), self._p(prefix + "to_out.0.bias"))
+        return ops.add(x, ops.reshape(ops.transpose(o, (1, 0)), (ch, h, w)))
+
+
+def to_pixels(image):
+    """diffusers' postprocess of a [3, H, W] image: float32 x*0.5+0.5, clamp to [0, 1], *255, round half to even."""
+    x = np.asarray(image, dtype=np.float32)
+    p = np.clip(x * np.float32(0.5) + np.float32(0.5), np.float32(0), np.float32(1))
+    return np.round(np.transpose(p, (1, 2, 0)) * np.float32(255)).astype(np.uint8)
