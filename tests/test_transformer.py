@@ -4,7 +4,7 @@
   the same tensors on CPU torch in float32. Its time sinusoid is computed in fp32, where the official code
   (spec denoiser.md §3.1, S1 and S2) uses float64; the test swaps in the float64 sinusoid and sets its
   time_scale to 1 so it receives the same t. Skipped when kohakumoss is not installed.
-* `spec_velocity` below: the spec (§3) written out in torch float64, gating the float64 path at 1e-10.
+* `reference.dit.spec_velocity` (scripts/reference/dit.py): the spec (§3) written out in torch float64, gating the float64 path at 1e-10.
 """
 
 import math
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moss_cli.errors import UsageError
+from reference.dit import spec_velocity
 from moss_cli.ops import numpy_ops
 from moss_cli.transformer import (MossTransformer, expected_tensors, positions, rope_tables,
                                   time_sinusoid)
@@ -54,86 +55,6 @@ def ours(tensors, latents, rows, dtype, skip=frozenset(), config=CONFIG, t=T):
 
 def rel(a, ref):
     return float(np.abs(a - ref).max() / np.abs(ref).max())
-
-
-# --- the spec in torch float64 -------------------------------------------------------------------
-
-def spec_velocity(sd, cfg, latents, t, rows, skip=()):
-    P = {k: torch.tensor(np.asarray(v, dtype=np.float64)) for k, v in sd.items()}
-    D, heads, Fd = cfg["dim"], cfg["num_heads"], cfg["ffn_dim"]
-    hd = D // heads
-    nb = hd // 8
-
-    def lin(x, n, bias=True):
-        return x @ P[n + ".weight"].T + (P[n + ".bias"] if bias else 0)
-
-    def rms(x, n):
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * P[n]
-
-    def situ(h, g):
-        return (4 * torch.tanh(g / 4) * torch.sigmoid(g)) * (25 * torch.tanh(h / 25))
-
-    def rope(x, pos):                                          # x [N, heads, hd], pos [N, 4]
-        bands = (1 / 10000 ** (torch.arange(nb, dtype=torch.float32) / nb)).double()
-        ang = (pos[:, :, None] * bands).flatten(1)[:, None, :]
-        a, b = x.chunk(2, -1)
-        return torch.cat([a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()], -1)
-
-    def attn(q, k, v):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return o.transpose(0, 1).reshape(-1, D)
-
-    def split(x):
-        return x.reshape(x.shape[0], heads, hd)
-
-    # text refiner at positions (0, i, 0, 0)
-    n_txt = rows.shape[0]
-    tpos = torch.zeros(n_txt, 4, dtype=torch.float64)
-    tpos[:, 1] = torch.arange(n_txt)
-    x = lin(torch.tensor(rows, dtype=torch.float64), "text_embedder.proj")
-    for b in range(2):
-        p = f"text_embedder.blocks.{b}."
-        q, k, v = lin(rms(x, p + "norm1.weight"), p + "qkv").chunk(3, -1)
-        q = rope(rms(split(q), p + "q_norm.weight"), tpos)
-        k = rope(rms(split(k), p + "k_norm.weight"), tpos)
-        x = x + lin(attn(q, k, split(v)), p + "proj")
-        y = rms(x, p + "norm2.weight")
-        x = x + lin(situ(lin(y, p + "ffn_up"), lin(y, p + "ffn_gate")), p + "ffn_down")
-    text = x
-
-    # conditioning: float64 sinusoid of t, [cos | sin]
-    half = cfg["freq_dim"] // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float64) / half)
-    e = torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)])[None]
-    time = lin(F.silu(lin(e, "time_embedding.0")), "time_embedding.2")
-    mod = lin(time, "shared_block_modulation").reshape(6, D)
-    head = lin(time, "video_head_modulation").reshape(2, D)
-
-    # joint stream [image ; text]
-    _, C, h, w = latents.shape
-    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    ipos = torch.zeros(h * w, 4, dtype=torch.float64)
-    ipos[:, 1] = n_txt
-    ipos[:, 2] = ys.flatten() - (h - 1) / 2
-    ipos[:, 3] = xs.flatten() - (w - 1) / 2
-    pos = torch.cat([ipos, tpos])
-    img = torch.tensor(latents, dtype=torch.float64).flatten(2)[0].T
-    x = torch.cat([lin(img, "video_embedder"), text])
-    for i in range(cfg["num_layers"]):
-        if i in skip:
-            continue
-        p = f"layers.{i}."
-        y = rms(x, p + "norm1.weight") * (1 + mod[1]) + mod[0]
-        q = rope(rms(split(lin(y, p + "proj.q", False)), p + "q_norm.weight"), pos)
-        k = rope(rms(split(lin(y, p + "proj.k", False)), p + "k_norm.weight"), pos)
-        v = split(lin(y, p + "proj.v", False))
-        x = x + lin(attn(q, k, v), p + "proj.o", False) * mod[2]
-        y = rms(x, p + "norm2.weight") * (1 + mod[4]) + mod[3]
-        up, gate = lin(y, p + "proj.ffn_up_gate", False).chunk(2, -1)
-        x = x + lin(situ(up, gate), p + "proj.ffn_down", False) * mod[5]
-    z = rms(x[: h * w], "final_norm_video.weight") * (1 + head[1]) + head[0]
-    v = lin(z, "final_linear_video", False)
-    return v.T.reshape(1, C, h, w).numpy()
 
 
 @pytest.mark.parametrize("skip", [frozenset(), frozenset({1})])
