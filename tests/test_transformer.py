@@ -12,7 +12,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moss_cli.errors import UsageError
 from reference.dit import spec_velocity
