@@ -8,7 +8,7 @@ dtype, and computes the model fingerprint. Weights are memory-mapped when a comp
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Mapping
@@ -49,8 +49,8 @@ class Component:
     """One component folder: its config and its tensors (memory-mapped, text prefix stripped)."""
     name: str
     path: Path
-    config: dict
-    tensors: Mapping
+    config: dict = field(repr=False)
+    tensors: Mapping = field(repr=False)
 
 
 @dataclass(frozen=True)
