@@ -1,0 +1,123 @@
+"""What every kernel module shares: the jit wrapper, bf16 bits <-> float32, block reductions, the gate.
+
+Importing this module imports numba.cuda; the simulator is chosen by NUMBA_ENABLE_CUDASIM=1 before that.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from numba import config, cuda, float32, uint16, uint32
+
+SIMULATED = bool(config.ENABLE_CUDASIM)
+
+# The simulator's jit() rejects these keyword arguments (numba_cuda.md section 7.6).
+_GPU_ONLY_KWARGS = ("lineinfo", "launch_bounds", "max_registers", "forceinline", "lto")
+
+# One block size for every block-per-row kernel; the simulator pays ~0.2 ms per thread, so it gets few.
+BLOCK = 32 if SIMULATED else 256
+EPS32 = float(np.finfo(np.float32).eps) / 2      # unit roundoff of float32
+EPS16 = 2.0 ** -8                                # unit roundoff of bfloat16
+
+
+def jit(*args, **kwargs):
+    """numba.cuda.jit that drops the keyword arguments the simulator does not accept."""
+    if SIMULATED:
+        for key in _GPU_ONLY_KWARGS:
+            kwargs.pop(key, None)
+    return cuda.jit(*args, **kwargs)
+
+
+@jit(device=True)
+def widen(bits):
+    """bf16 bits (uint16) -> float32: the bf16 is the high half of the float32."""
+    buf = cuda.local.array(1, uint32)
+    buf[0] = uint32(bits) << uint32(16)
+    return buf.view(np.float32)[0]
+
+
+@jit(device=True)
+def narrow(x):
+    """float32 -> bf16 bits, round to nearest even (NaN not special-cased)."""
+    buf = cuda.local.array(1, float32)
+    buf[0] = x
+    b = buf.view(np.uint32)[0]
+    b = b + uint32(0x7FFF) + ((b >> uint32(16)) & uint32(1))
+    return uint16(b >> uint32(16))
+
+
+@jit(device=True)
+def block_sum(sh, value):
+    """Sum of `value` over the block's threads (blockDim.x a power of two, sh >= blockDim.x floats)."""
+    tid = cuda.threadIdx.x
+    sh[tid] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            sh[tid] += sh[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+@jit(device=True)
+def block_max(sh, value):
+    """Max of `value` over the block's threads (same contract as block_sum)."""
+    tid = cuda.threadIdx.x
+    sh[tid] = value
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            sh[tid] = max(sh[tid], sh[tid + step])
+        cuda.syncthreads()
+        step //= 2
+    total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+def gamma(n, u=EPS32):
+    """Higham's gamma_n = n u / (1 - n u): the error factor of an n-term float sum or dot product."""
+    return n * u / (1.0 - n * u)
+
+
+# --- host-side bf16 helpers (tests, references, weight upload) -------------------------------
+def to_bf16_bits(x):
+    """float array -> bf16 bits (uint16), round to nearest even, through ml_dtypes."""
+    import ml_dtypes
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def from_bf16_bits(bits):
+    """bf16 bits (uint16) -> float64, exact."""
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@dataclass
+class Case:
+    """One kernel's contract: inputs, its float64 reference, its gate, and the planted control.
+
+    `run(inputs, control)` launches the kernel (control=True: the planted wrong variant) and returns
+    the host result; `reference(inputs)` returns (expected float64, bound float64), the gate passes
+    when |result - expected| <= bound everywhere and nothing is NaN.
+    """
+    name: str
+    make: Callable            # (rng, size: "tiny" | "real") -> dict of host arrays and scalars
+    run: Callable             # (inputs, control: bool) -> np.ndarray
+    reference: Callable       # inputs -> (expected, bound)
+    simulator: bool = True    # runs in the numba CUDA simulator
+    notes: str = field(default="")
+
+
+def gate(result, expected, bound):
+    """True when every element is within its bound (and finite); also returns the worst ratio."""
+    result = np.asarray(result, dtype=np.float64)
+    if result.shape != expected.shape or not np.all(np.isfinite(result)):
+        return False, float("inf")
+    ratio = np.abs(result - expected) / np.maximum(bound, np.finfo(np.float64).tiny)
+    worst = float(ratio.max()) if ratio.size else 0.0
+    return worst <= 1.0, worst

@@ -1,0 +1,193 @@
+"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast."""
+
+import math
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32
+
+from .core import BLOCK, EPS32, SIMULATED, Case, jit, narrow, to_bf16_bits
+
+SCALE, SIGMOID, SILU, TANH, EXP, SOFTPLUS = range(6)
+UNARY = {"scale": SCALE, "sigmoid": SIGMOID, "silu": SILU, "tanh": TANH, "exp": EXP, "softplus": SOFTPLUS}
+ADD, SUB, MUL = range(3)
+BINARY = {"add": ADD, "sub": SUB, "mul": MUL}
+
+
+def _grid(n):
+    """Grid-stride launch: enough blocks to fill the GPU, few in the simulator."""
+    blocks = (n + BLOCK - 1) // BLOCK
+    return max(1, min(blocks, 2 if SIMULATED else 4096)), BLOCK
+
+
+# --- cast ------------------------------------------------------------------------------------
+def _make_cast(control):
+    @jit
+    def cast_bf16(x, out):
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        for i in range(start, x.size, stride):
+            if control:
+                buf = cuda.local.array(1, float32)
+                buf[0] = x[i]
+                out[i] = uint16(buf.view(np.uint32)[0] >> uint32(16))
+            else:
+                out[i] = narrow(x[i])
+    return cast_bf16
+
+
+_cast = {c: _make_cast(c) for c in (False, True)}
+
+
+def cast_bf16(x, out, stream=0, control=False):
+    """out (uint16 bf16 bits) = round-to-nearest-even(x), both flat contiguous."""
+    grid, block = _grid(x.size)
+    _cast[control][grid, block, stream](x, out)
+
+
+# --- unary -----------------------------------------------------------------------------------
+@jit(device=True)
+def sigmoid(x):
+    return float32(1.0) / (float32(1.0) + math.exp(-x))
+
+
+@jit(device=True)
+def silu(x):
+    return x / (float32(1.0) + math.exp(-x))
+
+
+def _make_unary(control):
+    @jit
+    def unary(x, out, op, s):
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        for i in range(start, x.size, stride):
+            v = x[i]
+            if op == SCALE:
+                r = v * s
+            elif op == SIGMOID:
+                r = float32(1.0) / (float32(1.0) + math.exp(v if control else -v))
+            elif op == SILU:
+                r = silu(v)
+            elif op == TANH:
+                r = math.tanh(v)
+            elif op == EXP:
+                r = math.exp(v)
+            else:
+                r = v if v > float32(20.0) else math.log1p(math.exp(v))
+            out[i] = r
+    return unary
+
+
+_unary = {c: _make_unary(c) for c in (False, True)}
+
+
+def unary(x, out, op, s=1.0, stream=0, control=False):
+    """out = f(x) elementwise, f by name (see UNARY); softplus follows torch (x itself above 20)."""
+    grid, block = _grid(x.size)
+    _unary[control][grid, block, stream](x, out, UNARY[op], np.float32(s))
+
+
+# --- binary ----------------------------------------------------------------------------------
+def _make_binary(control):
+    @jit
+    def binary(a, b, out, op):
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        n = out.size
+        for i in range(start, n, stride):
+            x = a[i % a.size]
+            y = b[i // (n // b.size)] if control else b[i % b.size]
+            if op == ADD:
+                out[i] = x + y
+            elif op == SUB:
+                out[i] = x - y
+            else:
+                out[i] = x * y
+    return binary
+
+
+_binary = {c: _make_binary(c) for c in (False, True)}
+
+
+def binary(a, b, out, op, stream=0, control=False):
+    """out = a op b; a smaller operand repeats along the leading axis (a trailing vector, a row)."""
+    grid, block = _grid(out.size)
+    _binary[control][grid, block, stream](a, b, out, BINARY[op])
+
+
+# --- contract --------------------------------------------------------------------------------
+def _sizes(size):
+    return (4, 24) if size == "tiny" else (1000, 4096)
+
+
+def _run_cast(inp, control):
+    x = cuda.to_device(inp["x"].ravel())
+    out = cuda.device_array(x.size, np.uint16)
+    cast_bf16(x, out, control=control)
+    return out.copy_to_host().astype(np.float64)
+
+
+def _ref_cast(inp):
+    # exact: ml_dtypes rounds to nearest even, as the kernel must
+    return to_bf16_bits(inp["x"].ravel()).astype(np.float64), np.zeros(inp["x"].size)
+
+
+def _make_vec(rng, size):
+    rows, cols = _sizes(size)
+    return {"x": (rng.standard_normal((rows, cols)) * 3).astype(np.float32)}
+
+
+def _run_unary(inp, control):
+    x = cuda.to_device(inp["x"].ravel())
+    outs = []
+    for op in UNARY:
+        out = cuda.device_array(x.size, np.float32)
+        unary(x, out, op, s=0.37, control=control)
+        outs.append(out.copy_to_host())
+    return np.concatenate(outs).astype(np.float64)
+
+
+def _ref_unary(inp):
+    x = inp["x"].ravel().astype(np.float64)
+    sig = 1 / (1 + np.exp(-x))
+    ref = np.concatenate([x * np.float64(np.float32(0.37)), sig, x * sig, np.tanh(x), np.exp(x),
+                          np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))])
+    # a handful of float32 roundings, each of the libm functions within 2 ulp
+    return ref, 8 * EPS32 * np.abs(ref) + 1e-30
+
+
+def _make_binary_inputs(rng, size):
+    rows, cols = _sizes(size)
+    return {"a": rng.standard_normal((rows, cols)).astype(np.float32),
+            "b": rng.standard_normal((rows, cols)).astype(np.float32),
+            "row": rng.standard_normal(cols).astype(np.float32)}
+
+
+def _run_binary(inp, control):
+    a = cuda.to_device(inp["a"].ravel())
+    outs = []
+    for other in ("b", "row"):
+        b = cuda.to_device(inp[other].ravel())
+        for op in BINARY:
+            out = cuda.device_array(a.size, np.float32)
+            binary(a, b, out, op, control=control)
+            outs.append(out.copy_to_host())
+    return np.concatenate(outs).astype(np.float64)
+
+
+def _ref_binary(inp):
+    a = inp["a"].astype(np.float64)
+    refs, mags = [], []
+    for other in (inp["b"].astype(np.float64), inp["row"].astype(np.float64)[None, :]):
+        b = np.broadcast_to(other, a.shape)
+        for r, m in ((a + b, np.abs(a) + np.abs(b)), (a - b, np.abs(a) + np.abs(b)), (a * b, np.abs(a * b))):
+            refs.append(r.ravel())
+            mags.append(m.ravel())
+    # one float32 rounding of the exact result
+    return np.concatenate(refs), EPS32 * np.concatenate(mags) + 1e-30
+
+
+CASES = [
+    Case("cast_bf16", _make_vec, _run_cast, _ref_cast,
+         notes="control: truncates instead of rounding to nearest even"),
+    Case("unary", _make_vec, _run_unary, _ref_unary, notes="control: sigmoid with the sign of x flipped"),
+    Case("binary", _make_binary_inputs, _run_binary, _ref_binary,
+         notes="control: broadcasts the row operand down columns instead of along rows"),
+]
