@@ -1,0 +1,257 @@
+"""The Qwen3.5 prompt encoder and its GDN ops against transformers' Qwen3_5 model on tiny random weights."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file  # noqa: E402
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
+
+from moss_cli.encoder import Qwen35Encoder, expected_tensors, text_config  # noqa: E402
+from moss_cli.ops import numpy_ops  # noqa: E402
+from moss_cli.ops.numpy_gdn import DELTA_CHUNK  # noqa: E402
+
+LENGTHS = (5, 64, 65, 150)
+VOCAB = 640
+
+# Both: GQA, two value heads per key head, full attention at i % 4 == 3.
+CONFIGS = {
+    "four_layers": dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True)),
+    "eight_layers": dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=8,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=3,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5,
+                             mrope_section=[2, 1, 1], mrope_interleaved=True)),
+}
+
+
+def randomise(model, seed=0):
+    """Every parameter random: HF's zero norm offsets and unit dt_bias would hide (1+w)/w mix-ups (encoder.md 6).
+
+    Matrices get half the 1/sqrt(fan_in) scale so the tiny model stays well conditioned in float32.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(0.01 + 15.99 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(noise)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.5 * noise)           # plain weight
+            elif p.ndim == 1:
+                p.copy_(0.5 * noise)               # zero-centred offsets (and biases of the vision tower)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(0.5 * noise / math.sqrt(p[0].numel()))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request):
+    cfg = transformers.Qwen3_5TextConfig(**CONFIGS[request.param])
+    model = randomise(transformers.Qwen3_5TextModel(cfg))
+    tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    return model, tensors, cfg.to_dict()
+
+
+def prompt_ids(length):
+    return np.random.default_rng(length).integers(0, VOCAB, length)
+
+
+def reference(model, ids, **kw):
+    with torch.no_grad():
+        return model(torch.tensor(ids)[None], **kw)
+
+
+def rel(ours, ref):
+    return np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_rows_match_transformers_float32(tiny, length):
+    model, tensors, config = tiny
+    ids = prompt_ids(length)
+    ref = reference(model, ids).last_hidden_state[0].double().numpy()
+    rows32 = Qwen35Encoder(numpy_ops(np.float32), tensors, config)(ids)
+    rows64 = Qwen35Encoder(numpy_ops(np.float64), tensors, config)(ids)
+    assert rows32.dtype == np.float32 and rows64.dtype == np.float64
+    assert rows32.shape == (length, config["hidden_size"])
+    assert rel(rows32, ref) <= 1e-5
+    assert rel(rows64, ref) <= 5e-6
+
+
+def test_layer_callback_sees_each_layer_output(tiny):
+    model, tensors, config = tiny
+    ids = prompt_ids(65)
+    states = reference(model, ids, output_hidden_states=True).hidden_states
+    seen = {}
+    Qwen35Encoder(numpy_ops(np.float64), tensors, config)(ids, on_layer=lambda i, x: seen.setdefault(i, x.copy()))
+    assert sorted(seen) == list(range(config["num_hidden_layers"]))
+    # HF's last entry is the normed output, so layers 0 .. n-2 are the ones it exposes un-normed
+    for i in range(config["num_hidden_layers"] - 1):
+        assert rel(seen[i], states[i + 1][0].double().numpy()) <= 5e-6
+
+
+def test_recurrent_form_gives_the_same_rows(tiny):
+    _, tensors, config = tiny
+    ids = prompt_ids(150)
+    chunk = Qwen35Encoder(numpy_ops(np.float64), tensors, config, form="chunk")(ids)
+    loop = Qwen35Encoder(numpy_ops(np.float64), tensors, config, form="recurrent")(ids)
+    assert np.abs(chunk - loop).max() <= 1e-12
+
+
+def test_official_checkpoint_names_line_up(tmp_path):
+    """A Qwen3_5ForConditionalGeneration save: strip `model.language_model.`, read with safetensors.numpy."""
+    text = transformers.Qwen3_5TextConfig(**CONFIGS["four_layers"])
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                              out_hidden_size=64, num_position_embeddings=16)
+    model = randomise(transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())), seed=1)
+    model.save_pretrained(tmp_path)
+    prefix = "model.language_model."
+    stored = {}
+    for shard in sorted(tmp_path.glob("*.safetensors")):
+        stored.update({k[len(prefix):]: v for k, v in load_file(shard).items() if k.startswith(prefix)})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5"
+    expected = expected_tensors(config)
+    assert {k: v.shape for k, v in stored.items()} == expected
+
+    ids = prompt_ids(70)
+    ref = reference(model.model, ids).last_hidden_state[0].double().numpy()
+    assert rel(Qwen35Encoder(numpy_ops(np.float64), stored, config)(ids), ref) <= 5e-6
+
+
+def test_expected_tensors_of_the_9b_config_match_transformers():
+    config = transformers.Qwen3_5TextConfig()
+    with torch.device("meta"):
+        model = transformers.Qwen3_5TextModel(config)
+    assert expected_tensors({}) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    layers = text_config({})["layer_types"]
+    assert [i for i, t in enumerate(layers) if t == "full_attention"] == list(range(3, 32, 4))
+
+
+def test_text_config_resolves_like_transformers():
+    # no rope parameters at all: transformers' default theta (1e4), not the 9B's 1e7
+    plain = {"model_type": "qwen3_5_text", "num_hidden_layers": 6, "full_attention_interval": 3}
+    hf_plain = transformers.Qwen3_5TextConfig(**plain)
+    ours = text_config(plain)
+    assert ours["rope_parameters"]["rope_theta"] == hf_plain.rope_parameters["rope_theta"] == 10000
+    assert ours["rope_parameters"]["partial_rotary_factor"] == hf_plain.rope_parameters["partial_rotary_factor"]
+    assert ours["layer_types"] == hf_plain.layer_types
+    # legacy top-level keys
+    legacy = {"rope_theta": 5e6, "partial_rotary_factor": 0.5}
+    hf_legacy = transformers.Qwen3_5TextConfig(**legacy)
+    assert text_config(legacy)["rope_parameters"]["rope_theta"] == hf_legacy.rope_parameters["rope_theta"]
+    assert (text_config(legacy)["rope_parameters"]["partial_rotary_factor"]
+            == hf_legacy.rope_parameters["partial_rotary_factor"])
+    # composite config: the text part is read
+    composite = transformers.Qwen3_5Config(text_config=CONFIGS["eight_layers"]).to_dict()
+    assert text_config(composite)["hidden_size"] == 48
+    assert text_config(composite)["rope_parameters"]["rope_theta"] == 1e6
+
+
+# --- GDN ops ------------------------------------------------------------------------------------------
+
+
+def gdn_inputs(length, hk=2, hv=4, dk=16, dv=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((length, hk, dk))
+    k = rng.standard_normal((length, hk, dk))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * math.sqrt(dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((length, hv, dv))
+    g = -rng.uniform(0.0, 0.2, (length, hv))           # mild decay: the state carries across chunks
+    beta = rng.uniform(0.0, 1.0, (length, hv))
+    return q, k, v, g, beta
+
+
+def spec_loop(q, k, v, g, beta, decay_first=True):
+    """encoder.md 2.5 step 6 written plainly, one value head and one token at a time (float64)."""
+    length, hv, dv = v.shape
+    group = hv // k.shape[1]
+    out = np.zeros_like(v)
+    for j in range(hv):
+        state = np.zeros((k.shape[2], dv))
+        for t in range(length):
+            kt, qt = k[t, j // group], q[t, j // group]
+            if decay_first:
+                state = math.exp(g[t, j]) * state
+            read = state.T @ kt
+            if not decay_first:        # planted control: the decay lands after the read
+                state = math.exp(g[t, j]) * state
+            state = state + np.outer(kt, beta[t, j] * (v[t, j] - read))
+            out[t, j] = state.T @ qt
+    return out
+
+
+@pytest.mark.parametrize("length", (1, 63, 64, 65, 150))
+def test_delta_rule_forms_agree_in_float64(length):
+    ops = numpy_ops(np.float64)
+    args = gdn_inputs(length)
+    chunk = ops.gated_delta_rule(*args, form="chunk")
+    loop = ops.gated_delta_rule(*args, form="recurrent")
+    plain = spec_loop(*args)
+    assert DELTA_CHUNK == 64
+    assert np.abs(chunk - loop).max() <= 1e-12
+    assert np.abs(chunk - plain).max() <= 1e-12
+
+
+def test_delta_rule_catches_decay_after_read():
+    ops = numpy_ops(np.float64)
+    args = gdn_inputs(150)
+    planted = spec_loop(*args, decay_first=False)
+    for form in ("chunk", "recurrent"):
+        assert rel(ops.gated_delta_rule(*args, form=form), planted) > 1e-2
+
+
+def test_delta_rule_matches_transformers_chunk_function():
+    q, k, v, g, beta = gdn_inputs(150, hk=3, hv=6, dk=8, dv=12, seed=3)
+    # HF scales the queries by dk^-1/2 itself; ours takes them pre-scaled
+    t = [torch.tensor(x)[None] for x in (q * math.sqrt(q.shape[-1]), k, v, g, beta)]
+    ref, _ = hf.torch_chunk_gated_delta_rule(*t, chunk_size=64)
+    ref = ref[0].double().numpy()
+    for dtype in (np.float32, np.float64):
+        ops = numpy_ops(dtype)
+        ours = ops.gated_delta_rule(*(ops.array(x) for x in (q, k, v, g, beta)), form="chunk")
+        assert rel(ours, ref) <= 2e-6
+
+
+def test_causal_conv1d_matches_transformers():
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((37, 10)), rng.standard_normal((10, 4))
+    ref = hf.causal_conv1d_fn(torch.tensor(x.T)[None], torch.tensor(w))[0].numpy().T
+    assert np.abs(numpy_ops(np.float64).causal_conv1d(x, w) - ref).max() <= 1e-12
+
+
+def test_l2_norm_matches_transformers():
+    x = np.random.default_rng(5).standard_normal((7, 3, 16)) * 1e-3     # small rows: eps matters
+    ref = hf.l2norm(torch.tensor(x), dim=-1, eps=1e-6).numpy()
+    assert np.abs(numpy_ops(np.float64).l2_norm(x, 1e-6) - ref).max() <= 1e-12
+
+
+def test_gated_rms_norm_matches_transformers():
+    rng = np.random.default_rng(6)
+    x, z, w = rng.standard_normal((9, 4, 8)), rng.standard_normal((9, 4, 8)), 1 + 0.5 * rng.standard_normal(8)
+    norm = hf.Qwen3_5RMSNormGated(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor(w, dtype=torch.float32))
+        ref = norm(torch.tensor(x, dtype=torch.float32), torch.tensor(z, dtype=torch.float32)).double().numpy()
+    ops = numpy_ops(np.float32)
+    ours = ops.gated_rms_norm(ops.array(x), ops.array(z), ops.array(w), 1e-6)
+    assert rel(ours, ref) <= 1e-6
