@@ -128,10 +128,12 @@ class Qwen35Encoder:
         if ids.size == 0:
             raise ValueError("no tokens to encode")
         if ids.min() < 0 or ids.max() >= c["vocab_size"]:
-            raise ValueError(f"token id out of range 0..{c['vocab_size'] - 1}")
+            raise CheckpointError(f"token id {int(ids.max())} is outside the text encoder's vocabulary "
+                                  f"(vocab_size {c['vocab_size']}): tokenizer and encoder do not match")
         cos, sin = rope_tables(len(ids), c)
         cos, sin = ops.array(cos), ops.array(sin)
-        x = ops.embedding(self.w("embed_tokens.weight"), ids)
+        # gather rows from the stored table: converting the whole [vocab, hidden] table would cost gigabytes
+        x = ops.embedding(self.tensors["embed_tokens.weight"], ids)
         eps = c["rms_norm_eps"]
         for i, kind in enumerate(c["layer_types"]):
             p = f"layers.{i}."

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
 
 from moss_cli.encoder import Qwen35Encoder, expected_tensors, text_config  # noqa: E402
+from moss_cli.errors import CheckpointError  # noqa: E402
 from moss_cli.ops import numpy_ops  # noqa: E402
 from moss_cli.ops.numpy_gdn import DELTA_CHUNK  # noqa: E402
 
@@ -135,6 +136,23 @@ def test_official_checkpoint_names_line_up(tmp_path):
     ids = prompt_ids(70)
     ref = reference(model.model, ids).last_hidden_state[0].double().numpy()
     assert rel(Qwen35Encoder(numpy_ops(np.float64), stored, config)(ids), ref) <= 5e-6
+
+
+def test_bfloat16_tensors_and_vocabulary_check():
+    """Stored bf16 (ml_dtypes) weights read like HF's model holding the same bf16-rounded values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cfg = transformers.Qwen3_5TextConfig(**CONFIGS["four_layers"])
+    model = randomise(transformers.Qwen3_5TextModel(cfg), seed=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    tensors = {k: v.float().numpy().astype(ml_dtypes.bfloat16) for k, v in model.state_dict().items()}
+    ids = prompt_ids(65)
+    ref = reference(model, ids).last_hidden_state[0].double().numpy()
+    encoder = Qwen35Encoder(numpy_ops(np.float32), tensors, cfg.to_dict())
+    assert rel(encoder(ids), ref) <= 1e-5
+    with pytest.raises(CheckpointError, match="vocabulary"):
+        encoder(np.array([1, VOCAB]))
 
 
 def test_expected_tensors_of_the_9b_config_match_transformers():
