@@ -123,7 +123,7 @@ def open_checkpoint(path=None, *, expected=expected_tensors):
         path = os.environ.get(ENV) or EMBEDDED
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise CheckpointError(f"{root}: model folder not found" if not root.exists()
+        raise CheckpointError(f"{root}: model folder does not exist" if not root.exists()
                               else f"{root}: not a folder (a checkpoint is a diffusers model folder)")
     model_index = _model_index(root)
     configs, weights = {}, {}

@@ -11,11 +11,12 @@ import os
 import tempfile
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
 
+ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8,
+            "F16": 2, "F32": 4, "F64": 8, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 DTYPES = {
     "BOOL": np.dtype(np.bool_),
     "U8": np.dtype("u1"), "I8": np.dtype("i1"),
@@ -23,10 +24,18 @@ DTYPES = {
     "U32": np.dtype("<u4"), "I32": np.dtype("<i4"),
     "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
     "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _with_ml_dtypes():
+    """Add BF16 and F8 (ml_dtypes) on first need: importing ml_dtypes costs about a second."""
+    if "BF16" not in DTYPES:
+        import ml_dtypes
+        extra = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+        for name, dtype in extra.items():
+            DTYPES[name] = np.dtype(dtype)
+            NAMES[np.dtype(dtype)] = name
 
 
 class SafetensorsError(ValueError):
@@ -79,6 +88,8 @@ def dumps(tensors, metadata=None):
     for name in sorted(tensors):
         array = np.asarray(tensors[name])
         dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        if dtype not in NAMES and type(dtype).__module__.startswith("ml_dtypes"):
+            _with_ml_dtypes()
         if dtype not in NAMES:
             raise SafetensorsError(f"tensor {name!r}: dtype {array.dtype} cannot be stored in safetensors")
         blob = np.ascontiguousarray(array, dtype=dtype).tobytes()
@@ -121,6 +132,8 @@ def _tensors(buffer):
     tensors = {}
     for name, e in entries.items():
         begin, end = e["data_offsets"]
+        if e["dtype"] not in DTYPES:
+            _with_ml_dtypes()
         dtype = DTYPES[e["dtype"]]
         array = np.frombuffer(buffer, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin)
         tensors[name] = array.reshape(e["shape"])
@@ -157,7 +170,7 @@ def _parse(raw, data_size):
             continue
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
             raise SafetensorsError(f"tensor {name!r}: header entry needs dtype, shape and data_offsets")
-        if e["dtype"] not in DTYPES:
+        if e["dtype"] not in ITEMSIZE:
             raise SafetensorsError(f"tensor {name!r}: unsupported dtype {e['dtype']!r}")
         shape, offsets = e["shape"], e["data_offsets"]
         if not (isinstance(shape, list) and all(_count(d) for d in shape)):
@@ -168,7 +181,7 @@ def _parse(raw, data_size):
         if not begin <= end <= data_size:
             raise SafetensorsError(
                 f"tensor {name!r}: data_offsets [{begin}, {end}] outside the {data_size}-byte data (truncated?)")
-        nbytes = int(np.prod(shape, dtype=object)) * DTYPES[e["dtype"]].itemsize
+        nbytes = int(np.prod(shape, dtype=object)) * ITEMSIZE[e["dtype"]]
         if end - begin != nbytes:
             raise SafetensorsError(
                 f"tensor {name!r}: {end - begin} data bytes for shape {shape} {e['dtype']} ({nbytes} bytes)")

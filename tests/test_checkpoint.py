@@ -149,7 +149,7 @@ def broken(model, case):
     vae_file = vae / "diffusion_pytorch_model.safetensors"
     if case == "missing folder":
         shutil.rmtree(model)
-        return "model folder not found"
+        return "model folder does not exist"
     if case == "no model_index.json":
         (model / "model_index.json").unlink()
         return "not a MOSS-Image folder (no model_index.json)"

@@ -2,6 +2,8 @@
 
 import json
 import mmap
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -151,3 +153,13 @@ def test_save_leaves_no_partial_file(tmp_path):
     with pytest.raises(SafetensorsError):
         save(path, {"c": np.zeros(2, np.complex64)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_float32_files_do_not_import_ml_dtypes(tmp_path):
+    """ml_dtypes takes about a second to import; LAT, ENC and VAE files need none of it."""
+    path = tmp_path / "f32.safetensors"
+    save(path, {"latents": np.zeros((1, 128, 2, 2), np.float32)})
+    code = ("import sys; from moss_cli.safetensors_io import load; "
+            f"t, _ = load({str(path)!r}); print(t['latents'].shape, 'ml_dtypes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["(1,", "128,", "2,", "2)", "False"]
