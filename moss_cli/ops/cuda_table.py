@@ -1,0 +1,356 @@
+"""The GPU op table: the numpy table's op names over numba device arrays, and the encoder on the GPU.
+
+Activations are float32 device arrays; matrices (linear weights, the embedding) stay bf16, held as
+uint16 bits, and each linear rounds its input to bf16 for the tensor-core product (float32 accumulate).
+Intermediates come from a pool keyed by size and go back when no array refers to them, so the same
+sequence of ops reuses the same buffers: that is what lets a forward pass be captured as a CUDA graph
+once per prompt-length bucket and replayed (stream order keeps reuse safe inside one graph).
+Importing this module needs numba-cuda and nvmath-python (the GPU extra).
+"""
+
+import time
+import weakref
+from collections import defaultdict
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import elementwise, embedding as emb, gdn, layout, norms, rope_attention
+from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
+from cuda_kernels.gemm import blas
+
+from ..encoder import Qwen35Encoder, expected_tensors, text_config
+
+# Prompt lengths are padded up to one of these (right padding leaves causal rows unchanged).
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _Lease:
+    """A pooled buffer lent out as a numba array; every view keeps it alive, its death returns it."""
+
+    def __init__(self, base, shape, dtype):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": np.dtype(dtype).str, "strides": None,
+            "data": (base.__cuda_array_interface__["data"][0], False), "version": 3, "stream": None}
+
+
+def _is_bf16(dtype):
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def _strides(shape):
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+class CudaOps:
+    """Same methods as NumpyOps (float32 compute), on one stream; see the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self):
+        self.dtype = np.dtype(np.float32)
+        self.stream = 0
+        self.capturing = False
+        self._params = {}
+        self._free = defaultdict(list)
+        self.kept = []          # host uploads made while capturing: the graph reads them later
+        self.ids = None         # the last token-id buffer embedding() read
+
+    # --- memory -------------------------------------------------------------------------------
+    def new(self, shape, dtype=np.float32):
+        """An uninitialised device array from the pool."""
+        shape = tuple(int(n) for n in shape)
+        if SIMULATED:        # the simulator's arrays have no device address to lend
+            return cuda.device_array(shape, dtype)
+        nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        free = self._free[nbytes]
+        base = free.pop() if free else cuda.device_array(nbytes, np.uint8)
+        lease = _Lease(base, shape, dtype)
+        weakref.finalize(lease, free.append, base)
+        return cuda.as_cuda_array(lease, sync=False)
+
+    def _upload(self, host):
+        out = cuda.to_device(np.ascontiguousarray(host))
+        if self.capturing:
+            self.kept.append(out)
+        return out
+
+    # --- data movement ------------------------------------------------------------------------
+    def param(self, tensors, name):
+        """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32."""
+        key = (id(tensors), name)
+        out = self._params.get(key)
+        if out is not None:
+            return out
+        value = tensors[name]
+        if not isinstance(value, np.ndarray) and hasattr(value, "__cuda_array_interface__"):
+            out = cuda.as_cuda_array(value)
+            if out.dtype != np.uint16 and out.dtype != np.float32:
+                raise TypeError(f"{name}: device tensors must be uint16 (bf16 bits) or float32, not {out.dtype}")
+        else:
+            host = np.asarray(value)
+            if host.ndim == 2:
+                bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
+                out = cuda.to_device(np.ascontiguousarray(bits))
+            else:
+                wide = from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host
+                out = cuda.to_device(np.ascontiguousarray(wide, dtype=np.float32))
+        self._params[key] = out
+        return out
+
+    def _table(self, table):
+        """A stored 2-D table uploaded once (bf16 bits), cached by the identity of the host array."""
+        key = ("table", id(table))
+        out = self._params.get(key)
+        if out is None:
+            host = np.asarray(table)
+            bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
+            out = self._params[key] = (cuda.to_device(np.ascontiguousarray(bits)), table)
+        return out[0]
+
+    def array(self, x):
+        return self._upload(np.asarray(x, dtype=np.float32))
+
+    def host(self, x):
+        """The array on the host (while capturing a graph: the device array itself, the graph's output)."""
+        if self.capturing:
+            return x
+        if self.stream != 0:
+            self.stream.sync()
+        return x.copy_to_host()
+
+    # --- shapes -------------------------------------------------------------------------------
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
+    def _copy(self, src, src_offset, src_strides, dst, dst_offset, dst_strides, shape):
+        layout.strided_copy(src.reshape(src.size), src_offset, src_strides, dst.reshape(dst.size), dst_offset,
+                            dst_strides, shape, stream=self.stream)
+
+    def transpose(self, x, axes):
+        shape = tuple(x.shape[a] for a in axes)
+        strides = _strides(x.shape)
+        out = self.new(shape)
+        self._copy(x, 0, tuple(strides[a] for a in axes), out, 0, _strides(shape), shape)
+        return out
+
+    def concat(self, xs, axis=0):
+        axis %= xs[0].ndim
+        shape = list(xs[0].shape)
+        shape[axis] = sum(x.shape[axis] for x in xs)
+        out = self.new(shape)
+        dst_strides = _strides(shape)
+        offset = 0
+        for x in xs:
+            self._copy(x, 0, _strides(x.shape), out, offset * dst_strides[axis], dst_strides, x.shape)
+            offset += x.shape[axis]
+        return out
+
+    def slice(self, x, axis, start, stop):
+        axis %= x.ndim
+        shape = list(x.shape)
+        shape[axis] = stop - start
+        out = self.new(shape)
+        strides = _strides(x.shape)
+        self._copy(x, start * strides[axis], strides, out, 0, _strides(shape), shape)
+        return out
+
+    def embedding(self, table, ids):
+        """Rows of a bf16 table (a stored tensor or a param); ids are host ints, copied to a device buffer
+        the graph keeps reading."""
+        if isinstance(table, np.ndarray) or not hasattr(table, "shape"):
+            table = self._table(table)
+        self.ids = self._upload(np.asarray(ids, dtype=np.int32).reshape(-1))
+        out = self.new((self.ids.size, table.shape[1]))
+        emb.embedding(table, self.ids, out, stream=self.stream)
+        return out
+
+    # --- elementwise --------------------------------------------------------------------------
+    def _binary(self, a, b, op):
+        big, small = (a, b) if a.size >= b.size else (b, a)
+        if big.size % small.size or tuple(big.shape[big.ndim - small.ndim:]) != tuple(small.shape):
+            raise ValueError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast along trailing axes")
+        out = self.new(big.shape)
+        elementwise.binary(a.reshape(a.size), b.reshape(b.size), out.reshape(out.size), op, stream=self.stream)
+        return out
+
+    def _unary(self, x, op, s=1.0):
+        out = self.new(x.shape)
+        elementwise.unary(x.reshape(x.size), out.reshape(out.size), op, s, stream=self.stream)
+        return out
+
+    def add(self, a, b):
+        return self._binary(a, b, "add")
+
+    def sub(self, a, b):
+        return self._binary(a, b, "sub")
+
+    def mul(self, a, b):
+        return self._binary(a, b, "mul")
+
+    def scale(self, x, s):
+        return self._unary(x, "scale", s)
+
+    def sigmoid(self, x):
+        return self._unary(x, "sigmoid")
+
+    def silu(self, x):
+        return self._unary(x, "silu")
+
+    def tanh(self, x):
+        return self._unary(x, "tanh")
+
+    def exp(self, x):
+        return self._unary(x, "exp")
+
+    def softplus(self, x):
+        return self._unary(x, "softplus")
+
+    # --- linear algebra -----------------------------------------------------------------------
+    def linear(self, x, w, b=None):
+        """x @ w.T (+ b): x float32 [.., in] rounded to bf16, w bf16 bits [out, in], float32 out."""
+        if w.dtype != np.uint16:
+            raise TypeError("linear: the weight must be bf16 bits (a 2-D param)")
+        last = x.shape[x.ndim - 1]
+        rows = x.size // last
+        flat = x.reshape(rows, last)
+        xb = self.new(flat.shape, np.uint16)
+        elementwise.cast_bf16(flat.reshape(flat.size), xb.reshape(xb.size), stream=self.stream)
+        out = self.new((rows, w.shape[0]))
+        blas().linear(xb, w, out, bias=b, stream=self.stream)
+        return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
+
+    def _rows(self, x):
+        last = x.shape[x.ndim - 1]
+        return x.reshape(x.size // last, last)
+
+    def rms_norm(self, x, w, eps, offset=0.0):
+        out = self.new(x.shape)
+        norms.rms_norm(self._rows(x), w, self._rows(out), eps, offset, stream=self.stream)
+        return out
+
+    def rope(self, x, cos, sin):
+        out = self.new(x.shape)
+        rope_attention.rope(x, cos, sin, out, stream=self.stream)
+        return out
+
+    def attention(self, q, k, v, scale, causal=False):
+        out = self.new((q.shape[0], q.shape[1], v.shape[2]))
+        scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
+        rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
+        return out
+
+    # --- Gated DeltaNet -----------------------------------------------------------------------
+    def causal_conv1d(self, x, w):
+        out = self.new(x.shape)
+        gdn.causal_conv1d(x, w, out, activate=False, stream=self.stream)
+        return out
+
+    def l2_norm(self, x, eps):
+        out = self.new(x.shape)
+        norms.l2_norm(self._rows(x), self._rows(out), eps, 1.0, stream=self.stream)
+        return out
+
+    def gated_rms_norm(self, x, z, w, eps):
+        out = self.new(x.shape)
+        norms.gated_rms_norm(self._rows(x), self._rows(z), w, self._rows(out), eps, stream=self.stream)
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, form="recurrent"):
+        """The recurrence on the GPU whatever `form` asks (the forms are the same function)."""
+        out = self.new(v.shape)
+        gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+        return out
+
+
+def cuda_ops():
+    return CudaOps()
+
+
+def bucket(length):
+    for b in BUCKETS:
+        if length <= b:
+            return b
+    raise ValueError(f"{length} tokens: longer than the largest bucket ({BUCKETS[-1]})")
+
+
+class CudaEncoder:
+    """ids -> float32 rows [L, hidden] on the GPU: the Qwen3.5 graph captured once per length bucket.
+
+    Weights go to the device once (`upload`), straight from the (memory-mapped) tensors, one at a time.
+    `graphs=False` runs the ops eagerly (one launch per op), for per-layer checks.
+    """
+
+    def __init__(self, tensors, config, graphs=True, pad_id=0):
+        self.ops = CudaOps()
+        self.config = text_config(config)
+        self.model = Qwen35Encoder(self.ops, tensors, config)
+        self.tensors = tensors
+        self.graphs = graphs
+        self.pad_id = pad_id
+        self._captured = {}
+        self.timings = {}
+
+    def upload(self):
+        for name in expected_tensors(self.config):
+            self.ops.param(self.tensors, name)
+        cuda.synchronize()
+
+    def __call__(self, ids, on_layer=None):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not self.graphs or on_layer is not None:
+            return self.model(ids, on_layer=on_layer)
+        n = ids.size
+        size = bucket(n)
+        padded = np.full(size, self.pad_id, dtype=np.int64)
+        padded[:n] = ids
+        if size not in self._captured:
+            self._capture(size)
+        graph, ids_buffer, out, stream = self._captured[size]
+        start = time.perf_counter()
+        ids_buffer.copy_to_device(padded.astype(np.int32))
+        graph.launch(stream)
+        launched = time.perf_counter()
+        stream.sync()
+        rows = out.copy_to_host()[:n]
+        self.timings = {"host_s": launched - start, "total_s": time.perf_counter() - start, "bucket": size}
+        return rows
+
+    def _capture(self, size):
+        from cuda.core import Device, StreamOptions
+
+        dummy = np.zeros(size, dtype=np.int64)
+        self.model(dummy)                      # compiles the kernels, plans cuBLAS, fills the pool
+        dev = Device()
+        dev.set_current()
+        stream = dev.create_stream(options=StreamOptions(nonblocking=True))
+        builder = stream.create_graph_builder()
+        ops = self.ops
+        ops.kept = []
+        with cuda.defer_cleanup():
+            builder.begin_building("relaxed")
+            ops.stream, ops.capturing = builder, True
+            try:
+                out = self.model(dummy)
+            finally:
+                ops.stream, ops.capturing = 0, False
+                builder.end_building()
+        graph = builder.complete()
+        self._captured[size] = (graph, ops.ids, out, stream)
+        self._kept = getattr(self, "_kept", []) + ops.kept
+
+
+def cuda_encoder(component, graphs=True):
+    """The GPU encoder for a text-encoder component (weights uploaded now)."""
+    enc = CudaEncoder(component.tensors, component.config, graphs=graphs)
+    enc.upload()
+    return enc
+
+
+def encode_rows(component, ids):
+    """One call: the component's last_hidden_state rows for `ids`, float32 [L, hidden], on the GPU."""
+    return cuda_encoder(component)(ids)

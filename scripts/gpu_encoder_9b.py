@@ -1,0 +1,200 @@
+"""Qwen3.5-9B encoder on the GPU with random weights made on the GPU: accuracy and speed.
+
+Per layer, the relative error (Frobenius, all rows) of our rows and of transformers' bf16 forward against
+transformers run in float64 on the same weights; then encode time at 100 and 1000 tokens (CUDA graph
+replay) next to transformers bf16 and the bandwidth floor (weight bytes read / measured copy bandwidth).
+
+    python scripts/gpu_encoder_9b.py --out results.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from numba import cuda
+
+from cuda_kernels.core import from_bf16_bits, to_bf16_bits
+from cuda_kernels.layout import random_bf16
+from moss_cli.encoder import expected_tensors, text_config
+from moss_cli.ops.cuda_table import CudaEncoder
+
+CONFIG = {"text_config": {
+    "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "hidden_act": "silu", "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
+LENGTHS = (100, 1000)
+
+
+def small_param(name, shape, rng):
+    """Host float32 values of the 1-D / conv tensors, rounded to bf16 (both models read the same)."""
+    if name.endswith("A_log"):
+        v = np.log(rng.uniform(1, 16, shape))
+    elif name.endswith("dt_bias"):
+        v = rng.uniform(0.5, 1.5, shape)
+    elif name.endswith("linear_attn.norm.weight"):
+        v = 1 + 0.1 * rng.standard_normal(shape)
+    elif name.endswith("conv1d.weight"):
+        v = 0.3 * rng.standard_normal(shape)
+    else:                      # zero-centred norm offsets
+        v = 0.1 * rng.standard_normal(shape)
+    return from_bf16_bits(to_bf16_bits(v)).astype(np.float32)
+
+
+def make_weights(config, seed=0):
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i, (name, shape) in enumerate(expected_tensors(config).items()):
+        if len(shape) == 2:
+            arr = cuda.device_array(shape, np.uint16)
+            random_bf16(arr.reshape(arr.size), seed * 100003 + i, 0.02)
+            tensors[name] = arr
+        else:
+            tensors[name] = small_param(name, shape, rng)
+    cuda.synchronize()
+    return tensors
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    gbps = 2 * a.numel() * 4 * 10 / (s.elapsed_time(e) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def weight_bytes(config, tokens):
+    """Bytes a forward must read: every matrix once, plus the embedding rows it gathers."""
+    total = 0
+    for name, shape in expected_tensors(config).items():
+        if name == "embed_tokens.weight":
+            total += tokens * shape[1] * 2
+        else:
+            total += int(np.prod(shape)) * (2 if len(shape) == 2 else 4)
+    return total
+
+
+def hf_model(config, tensors):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+    cfg = Qwen3_5TextConfig(**config["text_config"])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3_5TextModel(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    state = {}
+    for name, value in tensors.items():
+        if hasattr(value, "__cuda_array_interface__"):
+            state[name] = torch.as_tensor(value, device="cuda").view(torch.bfloat16)
+        else:
+            state[name] = torch.as_tensor(value).to("cuda", torch.bfloat16)
+    model.load_state_dict(state, strict=True, assign=True)
+    torch.cuda.empty_cache()
+    return model
+
+
+def hf_hidden(model, ids):
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids[None], device="cuda"), output_hidden_states=True)
+    return [h[0].double().cpu().numpy() for h in out.hidden_states]
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="encoder_9b.json")
+    args = parser.parse_args()
+    result = {}
+    config = text_config(CONFIG)
+    free0, total_mem = cuda.current_context().get_memory_info()
+    result["copy_GBps"] = copy_bandwidth() / 1e9
+    t = time.perf_counter()
+    tensors = make_weights(CONFIG)
+    result["make_weights_s"] = time.perf_counter() - t
+    rng = np.random.default_rng(7)
+    prompts = {n: rng.integers(0, 248077, n) for n in LENGTHS}
+
+    enc = CudaEncoder(tensors, CONFIG)
+    t = time.perf_counter()
+    enc.upload()
+    result["upload_s"] = time.perf_counter() - t
+    ours = {}
+    for n, ids in prompts.items():
+        layers = []
+        eager = CudaEncoder.__call__(enc, ids, on_layer=lambda i, x: layers.append(enc.ops.host(x)))
+        ours[n] = [*layers[:-1], eager]
+    speed = {}
+    for n, ids in prompts.items():
+        t = time.perf_counter()
+        rows = enc(ids)
+        capture_s = time.perf_counter() - t
+        totals, hosts = [], []
+        for _ in range(10):
+            again = enc(ids)
+            totals.append(enc.timings["total_s"])
+            hosts.append(enc.timings["host_s"])
+        speed[n] = {"ours_ms": 1e3 * statistics.median(totals), "ours_host_ms": 1e3 * statistics.median(hosts),
+                    "bucket": enc.timings["bucket"], "capture_s": capture_s,
+                    "graph_vs_eager_rel": rel(rows, ours[n][-1]), "replays_identical": again.tobytes() == rows.tobytes(),
+                    "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
+    free1, _ = cuda.current_context().get_memory_info()
+    result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
+    del enc
+    print(json.dumps(result), flush=True)
+
+    model = hf_model(CONFIG, tensors)
+    hf16 = {}
+    for n, ids in prompts.items():
+        hf16[n] = hf_hidden(model, ids)
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                model(torch.as_tensor(ids[None], device="cuda"))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        speed[n]["transformers_bf16_ms"] = 1e3 * statistics.median(times[1:])
+    result["transformers_peak_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    model = model.double()
+    torch.cuda.empty_cache()
+    table = {}
+    for n, ids in prompts.items():
+        ref = hf_hidden(model, ids)
+        rows = []
+        for i in range(len(ours[n])):
+            hf_i = i + 1 if i < len(ours[n]) - 1 else len(ref) - 1
+            rows.append({"layer": i if i < len(ours[n]) - 1 else "final norm",
+                         "ours": rel(ours[n][i], ref[hf_i]), "transformers_bf16": rel(hf16[n][hf_i], ref[hf_i])})
+        table[n] = rows
+    result["speed"] = speed
+    result["accuracy"] = table
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for n in LENGTHS:
+        worse = [r for r in table[n] if r["ours"] > r["transformers_bf16"]]
+        print(f"{n} tokens: layers where ours is worse than transformers bf16: {len(worse)} of {len(table[n])}")
+        for r in table[n]:
+            print(f"  layer {r['layer']}: ours {r['ours']:.3e}  transformers bf16 {r['transformers_bf16']:.3e}")
+    print(json.dumps({"speed": speed, **{k: v for k, v in result.items() if k not in ("accuracy", "speed")}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
+#   bash scripts/gpu_run.sh contract bench tests encoder
+# Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import numpy, numba, numba_cuda, nvmath, cuda.core, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'nvmath', nvmath.__version__, 'cuda.core', cuda.core.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+status=0
+for step in "$@"; do
+  echo "== $step" | tee -a "$OUT/steps.txt"
+  start=$(date +%s)
+  case $step in
+    contract) python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
+    bench) python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
+    tests) python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_contract.py -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
+    encoder) python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
+    resources) python3 scripts/gpu_resources.py 2>&1 | tee "$OUT/resources.txt" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+  rc=$?
+  [ $rc -ne 0 ] && status=$rc
+  echo "== $step rc=$rc $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
+done
+exit $status

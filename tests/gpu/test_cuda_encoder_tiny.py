@@ -1,0 +1,53 @@
+"""On a GPU: the tiny checkpoint's encoder rows from the CUDA op table match the CPU float32 rows.
+
+Gate: the GPU rounds each linear's input to bf16 (relative error at most u = 2^-8 per rounding); along
+the longest path of a forward there are m = 4 roundings per layer + 1, which adds up (randomly signed)
+to sqrt(m) u; we allow 4x that for the network's amplification of random weights.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import cuda_kernels
+
+OK, WHY = cuda_kernels.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def component():
+    from moss_cli.checkpoint import open_checkpoint
+    return open_checkpoint().component("text_encoder")
+
+
+def _cpu_rows(component, ids):
+    from moss_cli.encoder import Qwen35Encoder
+    from moss_cli.ops import numpy_ops
+    return Qwen35Encoder(numpy_ops(np.float32), component.tensors, component.config)(ids)
+
+
+@pytest.mark.parametrize("length", [5, 70])
+def test_gpu_rows_match_cpu_float32_rows_within_the_bf16_gate(component, length):
+    from moss_cli.ops.cuda_table import cuda_encoder
+    ids = np.random.default_rng(length).integers(0, 500, length)
+    cpu = _cpu_rows(component, ids)
+    gpu = cuda_encoder(component)(ids)
+    layers = len(component.config.get("text_config", component.config)["layer_types"])
+    gate = 4 * math.sqrt(4 * layers + 1) * 2.0 ** -8
+    err = np.linalg.norm(gpu - cpu) / np.linalg.norm(cpu)
+    print(f"L={length}: relative error {err:.3g}, gate {gate:.3g}")
+    assert gpu.shape == cpu.shape and gpu.dtype == np.float32
+    assert err <= gate
+
+
+def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
+    from moss_cli.ops.cuda_table import CudaEncoder
+    ids = np.random.default_rng(1).integers(0, 500, 40)
+    enc = CudaEncoder(component.tensors, component.config)
+    first, second = enc(ids), enc(ids)
+    assert first.tobytes() == second.tobytes()
+    eager = CudaEncoder(component.tensors, component.config, graphs=False)(ids)
+    # the graph pads to its bucket: the same kernels on more rows, so equal to float32 rounding
+    np.testing.assert_allclose(first, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
