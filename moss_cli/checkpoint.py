@@ -92,7 +92,11 @@ class Checkpoint:
                     opened[file] = safetensors_io.load(folder / file)[0]
                 except safetensors_io.SafetensorsError as e:
                     raise CheckpointError(f"{folder / file}: corrupt or truncated safetensors file ({e})") from None
-            tensors = {key: opened[file][stored] for key, (stored, file, _, _) in weights.entries.items()}
+            for key, (stored, file, _, shape) in weights.entries.items():
+                array = opened[file].get(stored)
+                if array is None or array.shape != shape:
+                    raise CheckpointError(f"{folder / file}: changed since the checkpoint was opened ({stored})")
+                tensors[key] = array
         return Component(name, folder, self.config(name), tensors)
 
     def __repr__(self):

@@ -38,6 +38,8 @@ MODEL_INDEX = {
     "tokenizer": ["transformers", "Qwen2Tokenizer"],
     "transformer": ["pipeline_moss_image", "MOSSImageTransformer"],
     "vae": ["diffusers", "AutoencoderKLFlux2"],
+    # not in the real file: moss-cli's sampling defaults for this demo, so it runs in seconds
+    "_moss_cli_defaults": {"width": 256, "height": 256, "steps": 8},
 }
 
 TRANSFORMER = {

@@ -238,3 +238,10 @@ def test_weights_are_memory_mapped(model):
     assert torch.equal(torch.from_numpy(np.array(tensors["decoder.conv_out.weight"])),
                        safetensors.torch.load_file(model / "vae" / "diffusion_pytorch_model.safetensors")[
                            "decoder.conv_out.weight"])
+
+
+def test_file_changed_after_opening_is_reported(model):
+    ckpt = open_checkpoint(model)
+    rewrite(model / "vae" / "diffusion_pytorch_model.safetensors", lambda t: t.pop("decoder.conv_out.bias"))
+    with pytest.raises(CheckpointError, match="changed since"):
+        ckpt.component("vae")

@@ -49,7 +49,8 @@ def test_layout_and_size_of_the_real_folder():
         "transformer": ["pipeline_moss_image", "MOSSImageTransformer"],
         "scheduler": ["pipeline_moss_image", "MOSSImageScheduler"],
         "text_encoder": ["transformers", "Qwen3_5Model"], "vae": ["diffusers", "AutoencoderKLFlux2"],
-        "tokenizer": ["transformers", config("tokenizer", "tokenizer_config.json")["tokenizer_class"]]}
+        "tokenizer": ["transformers", config("tokenizer", "tokenizer_config.json")["tokenizer_class"]],
+        "_moss_cli_defaults": {"width": 256, "height": 256, "steps": 8}}   # the demo's own sampling defaults
     scheduler = config("scheduler", "scheduler_config.json")
     assert (scheduler["_class_name"], scheduler["num_train_timesteps"], scheduler["shift"],
             scheduler["training_shift"]) == ("MOSSImageScheduler", 1000, 5.0, 1.0)
