@@ -128,12 +128,13 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE):
     for role, text in (("prompt", prompt), ("negative", negative)):
         if text is None:
             continue
+        encoder = model.encoder
         ids, truncated = model.tokenizer.encode_prompt(text)
         if truncated:
             model.progress.warn(f"{role} is over the encoder's limit after templating; "
                                 f"kept the first {len(ids)} tokens, as the official pipeline does")
         model.progress.note(f"encoding {role}: {len(ids)} tokens")
-        rows = np.asarray(model.encoder(ids), dtype=np.float32)
+        rows = np.asarray(encoder(ids), dtype=np.float32)
         tensors[f"{role}_rows"] = rows
         tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)
     meta = {"moss.prompt": prompt, "moss.device": model.device}
@@ -215,8 +216,9 @@ def decode(model, lat):
         raise ArtifactError(f"{lat.source}: latents are {x.dtype}{list(x.shape)}, expected float32[1, {channels}, h, w]")
     if not np.all(np.isfinite(x)):
         raise ArtifactError(f"{lat.source}: latents hold NaN or infinite values")
+    decoder = model.decoder
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
-    pixels = to_pixels(model.decoder(x))
+    pixels = to_pixels(decoder(x))
     params = {k: lat.metadata.get(f"moss.{k}", "") for k in PNG_KEYS}
     params["moss_cli"] = lat.metadata.get("moss.version", "")
     return encode_png(pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)})

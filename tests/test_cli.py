@@ -154,17 +154,17 @@ def test_decode_refuses_wrong_stage_shape_truncation_and_other_vae(tmp_path, enc
     assert not png.exists()
 
 
-def test_unwritable_outputs_fail_before_any_work(tmp_path):
-    missing = tmp_path / "no" / "such" / "x.enc"
-    assert "does not exist" in _single_error(run("moss-encode", "--prompt", "p", "--out", missing))
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    if os.access(ro, os.W_OK):   # running as root: permissions do not bind
-        pytest.skip("permissions are not enforced for this user")
-    assert "not writable" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
-                                               "--picture", ro / "p.png"))
-    assert list(ro.iterdir()) == []
+def test_unwritable_outputs_fail_before_any_work(tmp_path, enc):
+    missing = tmp_path / "no" / "such"
+    assert "does not exist" in _single_error(run("moss-encode", "--prompt", "p", "--out", missing / "x.enc"))
+    lat = tmp_path / "x.lat"
+    assert "does not exist" in _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--trace",
+                                                 missing / "t.trace", "--out", lat))
+    (tmp_path / "file").write_text("")
+    assert "does not exist" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
+                                                 "--picture", tmp_path / "file" / "p.png"))
+    assert "is a directory" in _single_error(run("moss-decode", enc, "--out", tmp_path))
+    assert not lat.exists() and not missing.exists()
 
 
 @pytest.mark.parametrize("breakage,needle", [
