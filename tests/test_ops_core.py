@@ -51,3 +51,13 @@ def test_param_converts_bf16_once():
     stored = {"w": np.array([1.5, -2.25], dtype=ml_dtypes.bfloat16)}
     a = ops.param(stored, "w")
     assert a.dtype == np.float32 and a.tolist() == [1.5, -2.25] and ops.param(stored, "w") is a
+
+
+def test_param_cache_stops_at_its_budget(monkeypatch):
+    from moss_cli.ops import numpy_core
+    monkeypatch.setattr(numpy_core, "PARAM_CACHE_BYTES", 16)
+    ops = numpy_ops(np.float32)
+    stored = {"small": np.ones(4, np.float32), "big": np.arange(8, dtype=np.float32)}
+    assert ops.param(stored, "small") is ops.param(stored, "small")
+    big = ops.param(stored, "big")
+    assert big.tolist() == list(range(8)) and ops.param(stored, "big") is not big

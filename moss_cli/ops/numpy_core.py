@@ -3,6 +3,7 @@
 import numpy as np
 
 ATTENTION_BLOCK = 1024   # query rows per score block
+PARAM_CACHE_BYTES = 4 << 30
 
 
 class CoreOps:
@@ -10,12 +11,18 @@ class CoreOps:
 
     # --- data movement ---------------------------------------------------------------------
     def param(self, tensors, name):
-        """The stored tensor `name` of a component, converted to the compute dtype once."""
+        """The stored tensor `name` of a component in the compute dtype.
+
+        Converted copies are kept up to PARAM_CACHE_BYTES; past that (the real 5B/9B on a CPU) each use
+        converts from the memory-mapped file again instead of holding tens of GB.
+        """
         key = (id(tensors), name)
         out = self._params.get(key)
         if out is None:
             out = np.ascontiguousarray(np.asarray(tensors[name]).astype(self.dtype))
-            self._params[key] = out
+            if self._param_bytes + out.nbytes <= PARAM_CACHE_BYTES:
+                self._params[key] = out
+                self._param_bytes += out.nbytes
         return out
 
     def array(self, x):

@@ -14,6 +14,7 @@ class NumpyOps(CoreOps, GdnOps, ConvOps, DitOps):
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
         self._params = {}
+        self._param_bytes = 0
 
 
 def numpy_ops(dtype=np.float32):
