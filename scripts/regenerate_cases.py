@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "moss_cli" / "tiny"
@@ -40,7 +40,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from reference import dit as ref_dit          # noqa: E402
 from reference.fingerprint import fingerprint  # noqa: E402
+from reference.safetensors_write import dumps  # noqa: E402
 from reference.schedule import sigmas as ref_sigmas  # noqa: E402
+
+torch.set_num_threads(1)   # one thread: float32 reductions in a fixed order, the same bytes run after run
+torch.use_deterministic_algorithms(True)
 
 FILES = ("prompt.enc", "trace.trace", "latents.lat", "picture.png")
 
@@ -48,7 +52,7 @@ FILES = ("prompt.enc", "trace.trace", "latents.lat", "picture.png")
 def artifact(stage, tensors, meta, model):
     head = {"moss.stage": stage, "moss.format": "1", "moss.model": model, "moss.version": "reference"}
     head.update({k: str(v) for k, v in meta.items()})
-    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=head)
+    return dumps(tensors, head)
 
 
 # --- encoder rows: transformers ------------------------------------------------------------------
@@ -65,7 +69,7 @@ def text_model(model_dir):
     model = Qwen3_5TextModel(Qwen3_5TextConfig(**cfg.get("text_config", cfg))).float().eval()
     stored = load_file(str(model_dir / "text_encoder" / "model.safetensors"))
     prefix = "model.language_model."
-    state = {k[len(prefix):]: torch.from_numpy(v.astype(np.float32)) for k, v in stored.items() if k.startswith(prefix)}
+    state = {k[len(prefix):]: v.float() for k, v in stored.items() if k.startswith(prefix)}
     model.load_state_dict(state, strict=True)
     return model
 

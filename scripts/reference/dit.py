@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 def load_weights(folder):
     """Every tensor of a transformer/ folder (single or sharded safetensors) as float64 torch tensors."""
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
     index = folder / "diffusion_pytorch_model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else ["diffusion_pytorch_model.safetensors"]
     out = {}
     for name in files:
         for key, value in load_file(str(folder / name)).items():
-            out[key] = np.asarray(value, dtype=np.float64)
+            out[key] = value.double()
     return out
 
 
