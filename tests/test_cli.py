@@ -214,3 +214,12 @@ def test_no_gpu_for_device_cuda_is_one_line(tmp_path):
     out = tmp_path / "x.enc"
     assert "--device cuda" in _single_error(run("moss-encode", "--prompt", "p", "--device", "cuda", "--out", out))
     assert not out.exists()
+
+
+def test_readme_demo_makes_a_256_picture_in_under_a_minute(tmp_path):
+    t0 = time.perf_counter()
+    r = run("moss-image", "--prompt", "a red fox in the snow", "--seed", "42", "--picture", tmp_path / "fox.png")
+    assert r.code == 0, r.stderr
+    assert time.perf_counter() - t0 < 60
+    assert Image.open(tmp_path / "fox.png").size == (256, 256)
+    assert "step 8/8" in r.stderr and "sigma" in r.stderr      # the demo defaults, with progress
