@@ -1,8 +1,8 @@
 """Gated DeltaNet: the causal depthwise conv (+ silu) and the gated delta rule with a float32 state.
 
 The delta rule runs the exact recurrence (encoder.md 2.5 step 6). Each column c of a value head's
-state S [dk, dv] evolves on its own, so PARTS threads share one column, each holding dk / PARTS rows
-of it in registers; the two dot products per step are summed across the PARTS through shared memory.
+state S [dk, dv] evolves on its own, so a few threads share one column, each holding dk / parts rows
+of it in registers; the two dot products per step are summed across the parts.
 """
 
 import math
@@ -12,9 +12,8 @@ from numba import cuda, float32
 
 from .core import EPS32, SIMULATED, Case, gamma, jit
 
-PARTS = 4          # threads per state column
-MAXK = 32          # state rows per thread: dk <= PARTS * MAXK
-COLUMNS = 8 if SIMULATED else 32     # state columns per block
+PARTS = (8, 4, 2, 1)                 # threads per state column: the first that divides dk
+THREADS = 32 if SIMULATED else 128   # threads per block (whole warps: the shuffles need all lanes)
 
 
 def _make_conv(control):
@@ -35,48 +34,80 @@ def _make_conv(control):
     return causal_conv1d
 
 
-def _make_delta_rule(control):
+def _make_delta_rule(control, per, parts):
+    """The kernel for dk = per * parts: per state rows per thread, unrolled so they live in registers.
+
+    On the GPU the parts of one column sit in one warp and sum by shuffles, and the next token's k, q, v,
+    g, beta are loaded while the current one is computed; the simulator (no shuffles) sums through shared
+    memory instead.
+    """
+    @jit(device=True)
+    def column_sum(red, tid, first, value):
+        if SIMULATED:
+            red[tid] = value
+            cuda.syncthreads()
+            total = float32(0.0)
+            for p in range(parts):
+                total += red[first + p]
+            cuda.syncthreads()
+            return total
+        step = 1
+        while step < parts:
+            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+            step *= 2
+        return value
+
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        part = tid % PARTS
-        col = cuda.blockIdx.y * (cuda.blockDim.x // PARTS) + tid // PARTS
-        n, n_hk, dk = q.shape
+        part = tid % parts
+        col = cuda.blockIdx.y * (cuda.blockDim.x // parts) + tid // parts
+        n, n_hk = q.shape[0], q.shape[1]
         n_hv, dv = v.shape[1], v.shape[2]
         hk = hv // (n_hv // n_hk)
-        per = dk // PARTS
         lo = part * per
         first = tid - part
         active = col < dv
-        state = cuda.local.array(MAXK, float32)
+        cv = col if active else 0
+        red = cuda.shared.array(1024, float32)
+        state = cuda.local.array(per, float32)
+        kc = cuda.local.array(per, float32)
+        qc = cuda.local.array(per, float32)
+        kn = cuda.local.array(per, float32)
+        qn = cuda.local.array(per, float32)
         for i in range(per):
             state[i] = float32(0.0)
-        red_u = cuda.shared.array(128, float32)
-        red_o = cuda.shared.array(128, float32)
+            kc[i] = k[0, hk, lo + i]
+            qc[i] = q[0, hk, lo + i]
+        gc, bc, vc = g[0, hv], beta[0, hv], v[0, hv, cv]
         for t in range(n):
-            decay = math.exp(g[t, hv])
+            nxt = min(t + 1, n - 1)
+            for i in range(per):
+                kn[i] = k[nxt, hk, lo + i]
+                qn[i] = q[nxt, hk, lo + i]
+            gn, bn, vn = g[nxt, hv], beta[nxt, hv], v[nxt, hv, cv]
+            decay = math.exp(gc)
             u = float32(0.0)
             for i in range(per):
-                u += state[i] * k[t, hk, lo + i]
-            red_u[tid] = u
-            cuda.syncthreads()
-            predicted = decay * (red_u[first] + red_u[first + 1] + red_u[first + 2] + red_u[first + 3])
-            target = v[t, hv, col] if active else float32(0.0)
-            delta = beta[t, hv] * (target - predicted)
+                u += state[i] * kc[i]
+            delta = bc * (vc - decay * column_sum(red, tid, first, u))
             o = float32(0.0)
             for i in range(per):
                 old = decay * state[i]
-                state[i] = old + k[t, hk, lo + i] * delta
-                o += (old if control else state[i]) * q[t, hk, lo + i]
-            red_o[tid] = o
-            cuda.syncthreads()
+                state[i] = old + kc[i] * delta
+                o += (old if control else state[i]) * qc[i]
+            o = column_sum(red, tid, first, o)
             if part == 0 and active:
-                out[t, hv, col] = red_o[first] + red_o[first + 1] + red_o[first + 2] + red_o[first + 3]
+                out[t, hv, col] = o
+            for i in range(per):
+                kc[i] = kn[i]
+                qc[i] = qn[i]
+            gc, bc, vc = gn, bn, vn
     return gated_delta_rule
 
 
 _conv = {c: _make_conv(c) for c in (False, True)}
-_delta = {c: _make_delta_rule(c) for c in (False, True)}
+_delta = {}
 
 
 def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
@@ -92,10 +123,15 @@ def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False):
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
     """
     dk, dv = q.shape[2], v.shape[2]
-    if dk % PARTS or dk > PARTS * MAXK:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} must be a multiple of {PARTS}, <= {PARTS * MAXK}")
-    grid = (v.shape[1], (dv + COLUMNS - 1) // COLUMNS)
-    _delta[control][grid, COLUMNS * PARTS, stream](q, k, v, g, beta, out)
+    parts = next((p for p in PARTS if dk % p == 0), None)
+    if parts is None:
+        raise ValueError(f"gated_delta_rule: key head dim {dk} must be a multiple of one of {PARTS}")
+    key = (control, dk // parts, parts)
+    if key not in _delta:
+        _delta[key] = _make_delta_rule(*key)
+    columns = THREADS // parts
+    grid = (v.shape[1], (dv + columns - 1) // columns)
+    _delta[key][grid, THREADS, stream](q, k, v, g, beta, out)
 
 
 # --- float64 references --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ R_16BF, R_32F = 14, 0          # cudaDataType
 COMPUTE_32F = 68               # cublasComputeType_t
 OP_N, OP_T = 0, 1
 WORKSPACE = 32 << 20
+CANDIDATES = 16                # heuristic algorithms asked for (timed when tuning)
 
 
 def pointer(a):
@@ -71,7 +72,7 @@ class Blas:
         pref = lt.matmul_preference_create()
         _set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
              WORKSPACE, np.uint64)
-        found = np.zeros(8, dtype=lt.matmul_heuristic_result_dtype)
+        found = np.zeros(CANDIDATES, dtype=lt.matmul_heuristic_result_dtype)
         count = np.zeros(1, np.int32)
         lt.matmul_algo_get_heuristic(self.lt_handle, desc, a_layout, b_layout, c_layout, c_layout, pref,
                                      len(found), found.ctypes.data, count.ctypes.data)
@@ -141,10 +142,11 @@ _blas = None
 
 
 def blas():
-    """The process's Blas (handles are created on first use, on the current device)."""
+    """The process's Blas (handles created on first use, on the current device); it times the heuristic's
+    candidates once per shape and keeps the fastest."""
     global _blas
     if _blas is None:
-        _blas = Blas()
+        _blas = Blas(tune=True)
     return _blas
 
 

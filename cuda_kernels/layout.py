@@ -1,7 +1,7 @@
 """Strided copies (slice, transpose, concat) and the counter-based random bf16 fill for test weights."""
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, uint32, uint64
 
 from .core import BLOCK, EPS16, SIMULATED, Case, from_bf16_bits, jit, narrow
 
@@ -46,26 +46,35 @@ def strided_copy(src, src_offset, src_strides, dst, dst_offset, dst_strides, sha
 
 
 # --- random bf16 weights, made on the device ----------------------------------------------------
+MASK = 0xFFFFFFFF
+
+
+@jit(device=True)
+def wrap(x):
+    """x modulo 2^32 (numba widens uint32 products to 64 bits on the GPU; numpy wraps in the simulator)."""
+    return uint32(uint64(x) & uint64(MASK))
+
+
 @jit(device=True)
 def mix(x):
     """A 32-bit integer hash (lowbias32): every input bit moves every output bit."""
-    x ^= x >> uint32(16)
-    x *= uint32(0x7FEB352D)
-    x ^= x >> uint32(15)
-    x *= uint32(0x846CA68B)
-    x ^= x >> uint32(16)
-    return x
+    x = wrap(x)
+    x = wrap(x ^ (x >> uint32(16)))
+    x = wrap(uint64(x) * uint64(0x7FEB352D))
+    x = wrap(x ^ (x >> uint32(15)))
+    x = wrap(uint64(x) * uint64(0x846CA68B))
+    return wrap(x ^ (x >> uint32(16)))
 
 
 def _make_random(control):
     @jit
     def random_bf16(out, seed, std, mean):
         start, stride = cuda.grid(1), cuda.gridsize(1)
-        key = mix(uint32(seed) * uint32(0x9E3779B9) + uint32(0x632BE5AB))
+        key = mix(wrap(uint64(seed) * uint64(0x9E3779B9) + uint64(0x632BE5AB)))
         for i in range(start, out.size, stride):
             acc = float32(0.0)
             for j in range(4):
-                h = mix(uint32(i) * uint32(4) + uint32(j) + (uint32(0) if control else key))
+                h = mix(wrap(uint64(i) * uint64(4) + uint64(j) + (uint64(0) if control else uint64(key))))
                 acc += float32(h >> uint32(8)) * float32(1.0 / 16777216.0)
             # sum of 4 uniforms: mean 2, variance 1/3
             out[i] = narrow(mean + std * (acc - float32(2.0)) * float32(1.7320508))

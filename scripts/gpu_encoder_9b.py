@@ -113,6 +113,33 @@ def hf_hidden(model, ids):
     return [h[0].double().cpu().numpy() for h in out.hidden_states]
 
 
+def profile(enc, ids, top=12):
+    """GPU time per kernel over 3 graph replays (CUPTI through torch.profiler): the top rows."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    enc(ids)
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(3):
+            enc(ids)
+        torch.cuda.synchronize()
+    rows = {}
+    for e in p.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.name
+        for key in ("gated_delta_rule", "causal_conv1d", "rms_norm", "l2_norm", "gated_rms_norm", "softmax",
+                    "rope", "strided_copy", "embedding", "cast_bf16", "unary", "binary"):
+            if key in name:
+                name = key
+                break
+        else:
+            name = "cuBLAS " + name[:60]
+        total, count = rows.get(name, (0.0, 0))
+        rows[name] = (total + e.device_time_total / 3, count + 1)
+    lines = [f"{ms / 1e3:9.3f} ms  {count // 3:5d} launches  {name}" for name, (ms, count) in
+             sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]
+    return lines
+
+
 def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -156,8 +183,14 @@ def main():
                     "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
+    for n, ids in prompts.items():
+        try:
+            result[f"profile_{n}"] = profile(enc, ids)
+        except Exception as exc:     # the profiler is a diagnosis, not a result
+            result[f"profile_{n}"] = [f"profiler failed: {exc}"]
+        print(f"GPU time per kernel, {n} tokens:\n" + "\n".join(result[f"profile_{n}"]), flush=True)
     del enc
-    print(json.dumps(result), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("profile")}), flush=True)
 
     model = hf_model(CONFIG, tensors)
     hf16 = {}
@@ -193,7 +226,8 @@ def main():
         print(f"{n} tokens: layers where ours is worse than transformers bf16: {len(worse)} of {len(table[n])}")
         for r in table[n]:
             print(f"  layer {r['layer']}: ours {r['ours']:.3e}  transformers bf16 {r['transformers_bf16']:.3e}")
-    print(json.dumps({"speed": speed, **{k: v for k, v in result.items() if k not in ("accuracy", "speed")}}, indent=1))
+    print(json.dumps({"speed": speed, **{k: v for k, v in result.items()
+                                        if k not in ("accuracy", "speed") and not k.startswith("profile")}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from cuda_kernels.gemm import blas
 
 from ..encoder import Qwen35Encoder, expected_tensors, text_config
 
-# Prompt lengths are padded up to one of these (right padding leaves causal rows unchanged).
-BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
+# 16 tokens up to 256, of 64 up to 2048, of 256 up to MAX_TOKENS. One graph is captured per bucket.
+MAX_TOKENS = 32768
 
 
 class _Lease:
@@ -272,10 +273,10 @@ def cuda_ops():
 
 
 def bucket(length):
-    for b in BUCKETS:
-        if length <= b:
-            return b
-    raise ValueError(f"{length} tokens: longer than the largest bucket ({BUCKETS[-1]})")
+    if length > MAX_TOKENS:
+        raise ValueError(f"{length} tokens: more than the GPU encoder takes ({MAX_TOKENS})")
+    step = 16 if length <= 256 else 64 if length <= 2048 else 256
+    return -(-length // step) * step
 
 
 class CudaEncoder:

@@ -1,0 +1,102 @@
+"""Registers, shared memory, stack and spills of every kernel compiled for sm_90, without a GPU.
+
+    python -m cuda_kernels.resources            # print the record
+    python -m cuda_kernels.resources --write    # rewrite cuda_kernels/RESOURCES.json
+
+Needs numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) but no GPU: kernels are compiled to PTX with the
+argument types they are launched with, then linked for sm_90 by nvJitLink, whose ptxas log is parsed.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+RECORD = Path(__file__).with_name("RESOURCES.json")
+ARCH = (9, 0)
+
+
+def _signatures():
+    from numba.core import types as t
+    from . import elementwise, embedding, gdn, layout, norms, rope_attention
+
+    def a(dtype, ndim):
+        return t.Array(dtype, ndim, "C")
+    f1, f2, f3 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3)
+    tup = t.UniTuple(t.int64, 4)
+    return {
+        "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
+        "unary": (elementwise._unary[False], (f1, f1, t.int64, t.float32)),
+        "binary": (elementwise._binary[False], (f1, f1, f1, t.int64)),
+        "strided_copy": (layout._copy[False], (f1, t.int64, tup, f1, t.int64, tup, tup)),
+        "random_bf16": (layout._random[False], (a(t.uint16, 1), t.uint32, t.float32, t.float32)),
+        "embedding": (embedding._embedding[False], (a(t.uint16, 2), a(t.int32, 1), f2)),
+        "rms_norm": (norms._rms[False], (f2, f1, f2, t.float32, t.float32)),
+        "l2_norm": (norms._l2[False], (f2, f2, t.float32, t.float32)),
+        "gated_rms_norm": (norms._gated[False], (f2, f2, f1, f2, t.float32)),
+        "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
+        "softmax_causal": (rope_attention._softmax[False], (f3, t.float32, t.boolean)),
+        "causal_conv1d": (gdn._conv[False], (f2, f2, f2, t.boolean)),
+        "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 16, 8), (f3, f3, f3, f2, f2, f3)),
+    }
+
+
+def _no_gpu_shim():
+    """Compiling a kernel that calls device functions asks the current device for its compute
+    capability (numba_cuda.md 7.5); without a GPU, answer sm_90."""
+    from numba import cuda
+    from numba.cuda import dispatcher
+    try:
+        if cuda.is_available():
+            return
+    except Exception:
+        pass
+
+    class _Device:
+        compute_capability = ARCH
+    dispatcher.get_current_device = lambda: _Device()
+
+
+def toolchain():
+    import numba
+    import numba_cuda
+    from cuda.bindings import nvjitlink
+    return {"numba": numba.__version__, "numba-cuda": numba_cuda.__version__,
+            "nvjitlink": ".".join(map(str, nvjitlink.version()))}
+
+
+def measure():
+    """{kernel: {registers, shared_bytes, stack_bytes, spill_stores, spill_loads, local_bytes}}."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+    _no_gpu_shim()
+    out = {}
+    for name, (kernel, sig) in _signatures().items():
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=ARCH)
+        linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_%d%d" % ARCH, verbose=True))
+        linker.link("cubin")
+        log = linker.get_info_log()
+        props = re.search(r"used (\d+) registers.*?(\d+) stack, (\d+) bytes smem.*?(\d+) bytes lmem", log)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        if not props or not spills:
+            raise RuntimeError(f"{name}: could not read the ptxas log:\n{log}")
+        out[name] = {"registers": int(props[1]), "stack_bytes": int(props[2]), "shared_bytes": int(props[3]),
+                     "local_bytes": int(props[4]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    record = {"arch": "sm_%d%d" % ARCH, "toolchain": toolchain(), "kernels": measure()}
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    if args.write:
+        RECORD.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
