@@ -90,10 +90,14 @@ def _make_binary(control):
     @jit
     def binary(a, b, out, op):
         start, stride = cuda.grid(1), cuda.gridsize(1)
-        n = out.size
+        n, na, nb = out.size, a.size, b.size
         for i in range(start, n, stride):
-            x = a[i % a.size]
-            y = b[i // (n // b.size)] if control else b[i % b.size]
+            # the modulo (a 64-bit division) only where an operand repeats
+            x = a[i] if na == n else a[i % na]
+            if control:
+                y = b[i // (n // nb)]
+            else:
+                y = b[i] if nb == n else b[i % nb]
             if op == ADD:
                 out[i] = x + y
             elif op == SUB:

@@ -14,15 +14,17 @@ from .core import EPS32, SIMULATED, Case, gamma, jit
 
 PARTS = (8, 4, 2, 1)                 # threads per state column: the first that divides dk
 THREADS = 32 if SIMULATED else 128   # threads per block (whole warps: the shuffles need all lanes)
+TILE = 4 if SIMULATED else 32        # tokens staged in shared memory at a time
 
 
 def _make_conv(control):
     @jit
     def causal_conv1d(x, w, out, activate):
-        start, stride = cuda.grid(1), cuda.gridsize(1)
-        n_ch, width = x.shape[1], w.shape[1]
-        for idx in range(start, x.size, stride):
-            t, ch = idx // n_ch, idx % n_ch
+        n, n_ch, width = x.shape[0], x.shape[1], w.shape[1]
+        ch = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if ch >= n_ch:
+            return
+        for t in range(cuda.blockIdx.y, n, cuda.gridDim.y):
             acc = float32(0.0)
             for j in range(width):
                 src = t - (width - 1) + j
@@ -35,12 +37,13 @@ def _make_conv(control):
 
 
 def _make_delta_rule(control, per, parts):
-    """The kernel for dk = per * parts: per state rows per thread, unrolled so they live in registers.
-
-    On the GPU the parts of one column sit in one warp and sum by shuffles, and the next token's k, q, v,
-    g, beta are loaded while the current one is computed; the simulator (no shuffles) sums through shared
-    memory instead.
+    """The kernel for dk = per * parts: each thread keeps `per` state rows (rows part, part + parts, ...)
+    in registers, unrolled. TILE tokens of k, q, v, decay and beta are staged in shared memory at a time,
+    so the serial loop over tokens never waits on global memory. On the GPU the parts of one column sit
+    in one warp and sum by shuffles; the simulator (no shuffles) sums through shared memory instead.
     """
+    dk, columns = per * parts, THREADS // parts
+
     @jit(device=True)
     def column_sum(red, tid, first, value):
         if SIMULATED:
@@ -60,49 +63,50 @@ def _make_delta_rule(control, per, parts):
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        part = tid % parts
-        col = cuda.blockIdx.y * (cuda.blockDim.x // parts) + tid // parts
+        part, slot = tid % parts, tid // parts
+        col0 = cuda.blockIdx.y * columns
+        col = col0 + slot
         n, n_hk = q.shape[0], q.shape[1]
         n_hv, dv = v.shape[1], v.shape[2]
         hk = hv // (n_hv // n_hk)
-        lo = part * per
         first = tid - part
-        active = col < dv
-        cv = col if active else 0
-        red = cuda.shared.array(1024, float32)
+        red = cuda.shared.array(THREADS, float32)
+        ks = cuda.shared.array((TILE, dk), float32)
+        qs = cuda.shared.array((TILE, dk), float32)
+        vs = cuda.shared.array((TILE, columns), float32)
+        decays = cuda.shared.array(TILE, float32)
+        betas = cuda.shared.array(TILE, float32)
         state = cuda.local.array(per, float32)
-        kc = cuda.local.array(per, float32)
-        qc = cuda.local.array(per, float32)
-        kn = cuda.local.array(per, float32)
-        qn = cuda.local.array(per, float32)
         for i in range(per):
             state[i] = float32(0.0)
-            kc[i] = k[0, hk, lo + i]
-            qc[i] = q[0, hk, lo + i]
-        gc, bc, vc = g[0, hv], beta[0, hv], v[0, hv, cv]
-        for t in range(n):
-            nxt = min(t + 1, n - 1)
-            for i in range(per):
-                kn[i] = k[nxt, hk, lo + i]
-                qn[i] = q[nxt, hk, lo + i]
-            gn, bn, vn = g[nxt, hv], beta[nxt, hv], v[nxt, hv, cv]
-            decay = math.exp(gc)
-            u = float32(0.0)
-            for i in range(per):
-                u += state[i] * kc[i]
-            delta = bc * (vc - decay * column_sum(red, tid, first, u))
-            o = float32(0.0)
-            for i in range(per):
-                old = decay * state[i]
-                state[i] = old + kc[i] * delta
-                o += (old if control else state[i]) * qc[i]
-            o = column_sum(red, tid, first, o)
-            if part == 0 and active:
-                out[t, hv, col] = o
-            for i in range(per):
-                kc[i] = kn[i]
-                qc[i] = qn[i]
-            gc, bc, vc = gn, bn, vn
+        for t0 in range(0, n, TILE):
+            m = min(TILE, n - t0)
+            cuda.syncthreads()              # every thread is done with the previous tile
+            for idx in range(tid, m * dk, THREADS):
+                r, c = idx // dk, idx % dk
+                ks[r, c] = k[t0 + r, hk, c]
+                qs[r, c] = q[t0 + r, hk, c]
+            for idx in range(tid, m * columns, THREADS):
+                r, c = idx // columns, idx % columns
+                vs[r, c] = v[t0 + r, hv, col0 + c] if col0 + c < dv else float32(0.0)
+            for r in range(tid, m, THREADS):
+                decays[r] = math.exp(g[t0 + r, hv])
+                betas[r] = beta[t0 + r, hv]
+            cuda.syncthreads()
+            for r in range(m):
+                decay = decays[r]
+                u = float32(0.0)
+                for i in range(per):
+                    u += state[i] * ks[r, i * parts + part]
+                delta = betas[r] * (vs[r, slot] - decay * column_sum(red, tid, first, u))
+                o = float32(0.0)
+                for i in range(per):
+                    old = decay * state[i]
+                    state[i] = old + ks[r, i * parts + part] * delta
+                    o += (old if control else state[i]) * qs[r, i * parts + part]
+                o = column_sum(red, tid, first, o)
+                if part == 0 and col < dv:
+                    out[t0 + r, hv, col] = o
     return gated_delta_rule
 
 
@@ -112,8 +116,9 @@ _delta = {}
 
 def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
     """out[t, c] = (silu of) sum_j w[c, j] x[t - K + 1 + j, c], zero history; x [L, C], w [C, K]."""
-    blocks = max(1, min((x.size + 255) // 256, 2 if SIMULATED else 4096))
-    _conv[control][blocks, 32 if SIMULATED else 256, stream](x, w, out, bool(activate))
+    threads = 32 if SIMULATED else 256
+    grid = ((x.shape[1] + threads - 1) // threads, min(x.shape[0], 2 if SIMULATED else 256))
+    _conv[control][grid, threads, stream](x, w, out, bool(activate))
 
 
 def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False):
@@ -130,7 +135,7 @@ def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False):
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
     columns = THREADS // parts
-    grid = (v.shape[1], (dv + columns - 1) // columns)
+    grid = (v.shape[1], (dv + columns - 1) // columns)   # value heads x column groups
     _delta[key][grid, THREADS, stream](q, k, v, g, beta, out)
 
 

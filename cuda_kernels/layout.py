@@ -45,6 +45,30 @@ def strided_copy(src, src_offset, src_strides, dst, dst_offset, dst_strides, sha
                                           _pad(dst_strides, 0), _pad(shape, 1))
 
 
+def _make_copy_rows(control):
+    @jit
+    def copy_rows(src, src_offset, src_stride, dst, dst_offset, dst_stride, rows, width):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= width:
+            return
+        for r in range(cuda.blockIdx.y, rows, cuda.gridDim.y):
+            dst[dst_offset + r * dst_stride + i] = src[src_offset + r * (dst_stride if control else src_stride) + i]
+    return copy_rows
+
+
+_rows = {c: _make_copy_rows(c) for c in (False, True)}
+
+
+def copy_rows(src, src_offset, src_stride, dst, dst_offset, dst_stride, rows, width, stream=0, control=False):
+    """dst.flat[dst_offset + r dst_stride + i] = src.flat[src_offset + r src_stride + i], r < rows, i < width.
+
+    The common case of slice and concat (contiguous runs of `width`), without strided_copy's divisions.
+    """
+    grid = ((width + BLOCK - 1) // BLOCK, max(1, min(rows, 2 if SIMULATED else 1024)))
+    _rows[control][grid, BLOCK, stream](src, int(src_offset), int(src_stride), dst, int(dst_offset),
+                                        int(dst_stride), int(rows), int(width))
+
+
 # --- random bf16 weights, made on the device ----------------------------------------------------
 MASK = 0xFFFFFFFF
 
@@ -128,6 +152,23 @@ def _ref_copy(inp):
     return ref, np.zeros_like(ref)
 
 
+def _run_rows(inp, control):
+    """The q/k/v split of the GDN projections: columns [w, 2w) of every row."""
+    x = inp["x"].reshape(inp["x"].shape[0], -1)
+    rows, n = x.shape
+    w = n // 3
+    src = cuda.to_device(x.ravel())
+    dst = cuda.device_array(rows * w, np.float32)
+    copy_rows(src, w, n, dst, 0, w, rows, w, control=control)
+    return dst.copy_to_host().reshape(rows, w)
+
+
+def _ref_rows(inp):
+    x = inp["x"].reshape(inp["x"].shape[0], -1).astype(np.float64)
+    w = x.shape[1] // 3
+    return x[:, w:2 * w], np.zeros((x.shape[0], w))
+
+
 def _make_random_inputs(rng, size):
     return {"n": 1000 if size == "tiny" else 1 << 24, "seed": int(rng.integers(1 << 31))}
 
@@ -147,5 +188,7 @@ def _ref_random(inp):
 CASES = [
     Case("strided_copy", _make_copy_inputs, _run_copy, _ref_copy,
          notes="control: walks the source with the destination's strides"),
+    Case("copy_rows", _make_copy_inputs, _run_rows, _ref_rows,
+         notes="control: steps through the source with the destination's row stride"),
     Case("random_bf16", _make_random_inputs, _run_random, _ref_random, notes="control: ignores the seed"),
 ]

@@ -8,14 +8,14 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, Case, block_sum, gamma, jit
+from .core import BLOCK, EPS32, WARP, Case, block_sum, gamma, jit
 
 MAXBLOCK = 256
 
 
 def _threads(d):
-    """Threads per row: a power of two, at most BLOCK and no more than the row needs."""
-    t = 1
+    """Threads per row: a power of two, at least a warp, at most BLOCK, no more than the row needs."""
+    t = WARP
     while t < min(d, BLOCK):
         t *= 2
     return t

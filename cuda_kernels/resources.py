@@ -30,6 +30,7 @@ def _signatures():
         "unary": (elementwise._unary[False], (f1, f1, t.int64, t.float32)),
         "binary": (elementwise._binary[False], (f1, f1, f1, t.int64)),
         "strided_copy": (layout._copy[False], (f1, t.int64, tup, f1, t.int64, tup, tup)),
+        "copy_rows": (layout._rows[False], (f1, t.int64, t.int64, f1, t.int64, t.int64, t.int64, t.int64)),
         "random_bf16": (layout._random[False], (a(t.uint16, 1), t.uint32, t.float32, t.float32)),
         "embedding": (embedding._embedding[False], (a(t.uint16, 2), a(t.int32, 1), f2)),
         "rms_norm": (norms._rms[False], (f2, f1, f2, t.float32, t.float32)),

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, SIMULATED, Case, block_max, block_sum, gamma, jit
+from .core import BLOCK, EPS32, SIMULATED, WARP, Case, block_max, block_sum, gamma, jit
 from .gemm import OP_N, OP_T, blas
 
 MAXBLOCK = 256
@@ -78,7 +78,7 @@ def rope(x, cos, sin, out, stream=0, control=False):
 
 def softmax(s, scale, causal, stream=0, control=False):
     """In place: s [B, L, S] <- softmax over S of scale * s; causal keeps keys j <= t + S - L."""
-    threads = BLOCK if s.shape[2] >= BLOCK else max(1, 1 << (s.shape[2] - 1).bit_length())
+    threads = BLOCK if s.shape[2] >= BLOCK else max(WARP, 1 << (s.shape[2] - 1).bit_length())
     _softmax[control][s.shape[0] * s.shape[1], threads, stream](s, np.float32(scale), bool(causal))
 
 

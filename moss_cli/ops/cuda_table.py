@@ -60,6 +60,7 @@ class CudaOps:
         self._free = defaultdict(list)
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() read
+        self._last_cast = None
 
     # --- memory -------------------------------------------------------------------------------
     def new(self, shape, dtype=np.float32):
@@ -156,8 +157,11 @@ class CudaOps:
         shape = list(x.shape)
         shape[axis] = stop - start
         out = self.new(shape)
-        strides = _strides(x.shape)
-        self._copy(x, start * strides[axis], strides, out, 0, _strides(shape), shape)
+        inner = int(np.prod(shape[axis + 1:]))
+        rows = int(np.prod(shape[:axis]))
+        # each outer index holds one contiguous run of (stop - start) * inner elements
+        layout.copy_rows(x.reshape(x.size), start * inner, x.shape[axis] * inner, out.reshape(out.size), 0,
+                         shape[axis] * inner, rows, shape[axis] * inner, stream=self.stream)
         return out
 
     def embedding(self, table, ids):
@@ -218,12 +222,20 @@ class CudaOps:
             raise TypeError("linear: the weight must be bf16 bits (a 2-D param)")
         last = x.shape[x.ndim - 1]
         rows = x.size // last
-        flat = x.reshape(rows, last)
-        xb = self.new(flat.shape, np.uint16)
-        elementwise.cast_bf16(flat.reshape(flat.size), xb.reshape(xb.size), stream=self.stream)
+        xb = self._bf16(x).reshape(rows, last)
         out = self.new((rows, w.shape[0]))
         blas().linear(xb, w, out, bias=b, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
+
+    def _bf16(self, x):
+        """x rounded to bf16 bits; the last one is kept, as several products in a row read the same x."""
+        cached = self._last_cast
+        if cached is not None and cached[0]() is x:
+            return cached[1]
+        xb = self.new((x.size,), np.uint16)
+        elementwise.cast_bf16(x.reshape(x.size), xb, stream=self.stream)
+        self._last_cast = (weakref.ref(x), xb)
+        return xb
 
     def _rows(self, x):
         last = x.shape[x.ndim - 1]
@@ -294,6 +306,7 @@ class CudaEncoder:
         self.graphs = graphs
         self.pad_id = pad_id
         self._captured = {}
+        self._pinned = {}
         self.timings = {}
 
     def upload(self):
@@ -317,7 +330,7 @@ class CudaEncoder:
         graph.launch(stream)
         launched = time.perf_counter()
         stream.sync()
-        rows = out.copy_to_host()[:n]
+        rows = out.copy_to_host(self._pinned[size])[:n].copy()
         self.timings = {"host_s": launched - start, "total_s": time.perf_counter() - start, "bucket": size}
         return rows
 
@@ -342,6 +355,7 @@ class CudaEncoder:
                 builder.end_building()
         graph = builder.complete()
         self._captured[size] = (graph, ops.ids, out, stream)
+        self._pinned[size] = cuda.pinned_array(out.shape, np.float32)
         self._kept = getattr(self, "_kept", []) + ops.kept
 
 
