@@ -12,27 +12,41 @@ from numba import cuda, float32
 
 from .core import EPS32, SIMULATED, Case, gamma, jit
 
-PARTS = (8, 4, 2, 1)                 # threads per state column: the first that divides dk
+# threads per state column, the first that divides dk: on the GPU a whole warp, for 4x the warps in
+# flight of 8 parts (the loop over tokens is latency-bound); in the simulator few threads
+PARTS = (8, 4, 2, 1) if SIMULATED else (32, 16, 8, 4, 2, 1)
 THREADS = 32 if SIMULATED else 128   # threads per block (whole warps: the shuffles need all lanes)
 TILE = 4 if SIMULATED else 32        # tokens staged in shared memory at a time
+CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
-def _make_conv(control):
+def _make_conv(control, width):
+    """The conv for kernel width `width` (unrolled): each thread runs one channel over CONV_TOKENS
+    consecutive tokens, keeping the taps and the last `width` inputs in registers."""
     @jit
     def causal_conv1d(x, w, out, activate):
-        n, n_ch, width = x.shape[0], x.shape[1], w.shape[1]
+        n, n_ch = x.shape[0], x.shape[1]
         ch = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if ch >= n_ch:
             return
-        for t in range(cuda.blockIdx.y, n, cuda.gridDim.y):
+        taps = cuda.local.array(width, float32)
+        window = cuda.local.array(width, float32)
+        for j in range(width):
+            taps[j] = w[ch, width - 1 - j] if control else w[ch, j]
+        t0 = cuda.blockIdx.y * CONV_TOKENS
+        for j in range(width - 1):          # the inputs before t0, zero before the sequence
+            src = t0 - (width - 1) + j
+            window[j] = x[src, ch] if src >= 0 else float32(0.0)
+        for t in range(t0, min(t0 + CONV_TOKENS, n)):
+            window[width - 1] = x[t, ch]
             acc = float32(0.0)
             for j in range(width):
-                src = t - (width - 1) + j
-                if src >= 0:
-                    acc += w[ch, width - 1 - j if control else j] * x[src, ch]
+                acc += taps[j] * window[j]
             if activate:
                 acc = acc / (float32(1.0) + math.exp(-acc))
             out[t, ch] = acc
+            for j in range(width - 1):
+                window[j] = window[j + 1]
     return causal_conv1d
 
 
@@ -110,15 +124,18 @@ def _make_delta_rule(control, per, parts):
     return gated_delta_rule
 
 
-_conv = {c: _make_conv(c) for c in (False, True)}
+_conv = {}
 _delta = {}
 
 
 def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
     """out[t, c] = (silu of) sum_j w[c, j] x[t - K + 1 + j, c], zero history; x [L, C], w [C, K]."""
+    key = (control, w.shape[1])
+    if key not in _conv:
+        _conv[key] = _make_conv(*key)
     threads = 32 if SIMULATED else 256
-    grid = ((x.shape[1] + threads - 1) // threads, min(x.shape[0], 2 if SIMULATED else 256))
-    _conv[control][grid, threads, stream](x, w, out, bool(activate))
+    grid = ((x.shape[1] + threads - 1) // threads, (x.shape[0] + CONV_TOKENS - 1) // CONV_TOKENS)
+    _conv[key][grid, threads, stream](x, w, out, bool(activate))
 
 
 def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False):

@@ -38,8 +38,9 @@ def _signatures():
         "gated_rms_norm": (norms._gated[False], (f2, f2, f1, f2, t.float32)),
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
         "softmax_causal": (rope_attention._softmax[False], (f3, t.float32, t.boolean)),
-        "causal_conv1d": (gdn._conv[False], (f2, f2, f2, t.boolean)),
-        "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 16, 8), (f3, f3, f3, f2, f2, f3)),
+        "causal_conv1d_k4": (gdn._make_conv(False, 4), (f2, f2, f2, t.boolean)),
+        "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
+                                   (f3, f3, f3, f2, f2, f3)),
     }
 
 
