@@ -88,7 +88,7 @@ def dumps(tensors, metadata=None):
     for name in sorted(tensors):
         array = np.asarray(tensors[name])
         dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-        if dtype not in NAMES and type(dtype).__module__.startswith("ml_dtypes"):
+        if dtype not in NAMES and dtype.type.__module__.startswith("ml_dtypes"):
             _with_ml_dtypes()
         if dtype not in NAMES:
             raise SafetensorsError(f"tensor {name!r}: dtype {array.dtype} cannot be stored in safetensors")
