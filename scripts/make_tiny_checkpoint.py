@@ -279,6 +279,13 @@ def vae_value(name, shape):
 
 # --- writing ---------------------------------------------------------------------------------------
 
+def to_bf16(x):
+    """float64 -> float32 -> bf16 with round-to-nearest-even on the bits (ml_dtypes versions round
+    float64 differently, so the cast is spelled out to keep the bytes fixed)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(BF16)
+
+
 def write_json(path, obj):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -286,7 +293,7 @@ def write_json(path, obj):
 
 def write_transformer(folder):
     write_json(folder / "config.json", TRANSFORMER)
-    tensors = {n: transformer_value(n, s, TRANSFORMER).astype(BF16)
+    tensors = {n: to_bf16(transformer_value(n, s, TRANSFORMER))
                for n, s in transformer_shapes(TRANSFORMER).items()}
     names = sorted(tensors)
     total = sum(tensors[n].nbytes for n in names)
@@ -316,8 +323,8 @@ def write_text_encoder(folder, tokenizer_folder):
     })
     tensors = {}
     for name, shape in text_shapes(text).items():
-        dtype = np.float32 if name.endswith(TEXT_F32) else BF16
-        tensors[TEXT_PREFIX + name] = text_value(name, shape).astype(dtype)
+        value = text_value(name, shape)
+        tensors[TEXT_PREFIX + name] = value.astype(np.float32) if name.endswith(TEXT_F32) else to_bf16(value)
     (folder / "model.safetensors").write_bytes(dumps(tensors, SAFETENSORS_METADATA))
 
 
