@@ -126,8 +126,8 @@ def profile(enc, ids, top=12):
         if e.device_type.name != "CUDA":
             continue
         name = e.name
-        for key in ("gated_delta_rule", "causal_conv1d", "rms_norm", "l2_norm", "gated_rms_norm", "softmax",
-                    "rope", "strided_copy", "embedding", "cast_bf16", "unary", "binary"):
+        for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
+                    "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary"):
             if key in name:
                 name = key
                 break
