@@ -203,7 +203,7 @@ def _ref_conv(inp):
 
 
 def _make_delta_inputs(rng, size):
-    n, hk, hv, dk, dv = (5, 2, 4, 8, 4) if size == "tiny" else (1000, 16, 32, 128, 128)
+    n, hk, hv, dk, dv = (6, 2, 4, 8, 4) if size == "tiny" else (1000, 16, 32, 128, 128)
 
     def unit(a):
         return a / np.linalg.norm(a, axis=-1, keepdims=True)

@@ -19,11 +19,11 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import elementwise, embedding, gdn, layout, norms, rope_attention
+    from . import elementwise, embedding, gdn, gdn_chunk, layout, norms, rope_attention
 
     def a(dtype, ndim):
         return t.Array(dtype, ndim, "C")
-    f1, f2, f3 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3)
+    f1, f2, f3, f4 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3), a(t.float32, 4)
     tup = t.UniTuple(t.int64, 4)
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
@@ -41,6 +41,9 @@ def _signatures():
         "causal_conv1d_k4": (gdn._make_conv(False, 4), (f2, f2, f2, t.boolean)),
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
                                    (f3, f3, f3, f2, f2, f3)),
+        "delta_chunk_prep_dk128": (gdn_chunk._make_prep(False, 128), (f3, f3, f3, f2, f2, f2, f4, f4, f4)),
+        "delta_chunk_scan_dk128": (gdn_chunk._make_scan(128 // gdn.PARTS[0], gdn.PARTS[0], 128),
+                                   (f3, f3, f2, f4, f4, f4, f3)),
     }
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, gdn, layout, norms, rope_attention
+from cuda_kernels import elementwise, embedding as emb, gdn, gdn_chunk, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas
 
@@ -273,10 +273,17 @@ class CudaOps:
         norms.gated_rms_norm(self._rows(x), self._rows(z), w, self._rows(out), eps, stream=self.stream)
         return out
 
-    def gated_delta_rule(self, q, k, v, g, beta, form="recurrent"):
-        """The recurrence on the GPU whatever `form` asks (the forms are the same function)."""
+    def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
+        """form "chunk": CHUNK tokens per serial step (gdn_chunk); "recurrent": one token per step (gdn)."""
         out = self.new(v.shape)
-        gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+        if form == "recurrent":
+            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+        elif form == "chunk":
+            shapes = gdn_chunk.workspace_shapes(q.shape[0], v.shape[1], q.shape[2], v.shape[2])
+            work = {name: self.new(shape) for name, shape in shapes.items()}
+            gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream)
+        else:
+            raise ValueError(f"unknown delta rule form {form!r}")
         return out
 
 
