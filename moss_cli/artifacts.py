@@ -46,6 +46,8 @@ def build(stage, tensors, metadata, fingerprint):
 def read_bytes(path):
     """The bytes of PATH, or of stdin for '-'."""
     if str(path) == "-":
+        if sys.stdin.isatty():
+            raise ArtifactError("stdin is a terminal; pipe an artifact in or give a file name")
         data = sys.stdin.buffer.read()
         if not data:
             raise ArtifactError("stdin: no data (is the previous command's --out '-'?)")
@@ -88,6 +90,8 @@ def read(path, stage, fingerprint=None):
 def check_writable(path):
     """Fail before any compute when PATH cannot be written (its folder is missing or read-only)."""
     if str(path) == "-":
+        if sys.stdout.isatty():
+            raise UsageError("stdout is a terminal; redirect it or pipe it into the next command")
         return
     p = Path(path)
     if p.is_dir():
