@@ -223,3 +223,15 @@ def test_readme_demo_makes_a_256_picture_in_under_a_minute(tmp_path):
     assert time.perf_counter() - t0 < 60
     assert Image.open(tmp_path / "fox.png").size == (256, 256)
     assert "step 8/8" in r.stderr and "sigma" in r.stderr      # the demo defaults, with progress
+
+
+def test_binary_is_never_written_to_a_terminal():
+    import pty
+    import subprocess
+    from cli_util import BIN
+    primary, secondary = pty.openpty()
+    p = subprocess.run([str(BIN / "moss-encode"), "--prompt", "p", "--out", "-"], stdout=secondary,
+                       stderr=subprocess.PIPE, timeout=60)
+    os.close(secondary)
+    os.close(primary)
+    assert p.returncode != 0 and "stdout is a terminal" in p.stderr.decode()
