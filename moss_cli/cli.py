@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from . import artifacts, stages
+from . import __version__, artifacts, stages
 from .device import DEVICES, resolve
 from .errors import MossError, UsageError
 from .progress import Progress
@@ -73,6 +73,7 @@ model_option = click.option("--model", "model_dir", type=click.Path(path_type=Pa
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr.")
+version_option = click.version_option(__version__, message="%(prog)s (moss-cli) %(version)s")
 
 
 def sampling_options(f):
@@ -102,6 +103,7 @@ def sampling_options(f):
 @device_option
 @click.option("--out", required=True, help="ENC file, or - for stdout.")
 @quiet_option
+@version_option
 def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
     progress = Progress(quiet, "moss-encode")
     artifacts.check_writable(out)
@@ -117,6 +119,7 @@ def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
 @device_option
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
+@version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
              noise, trace, device, out, quiet):
     progress = Progress(quiet, "moss-denoise")
@@ -138,6 +141,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @device_option
 @click.option("--out", required=True, help="PNG file, or - for stdout.")
 @quiet_option
+@version_option
 def _decode(model_dir, lat, device, out, quiet):
     progress = Progress(quiet, "moss-decode")
     artifacts.check_writable(out)
@@ -156,6 +160,7 @@ def _decode(model_dir, lat, device, out, quiet):
               help="Folder to keep the intermediate ENC and LAT files in (prompt.enc, latents.lat).")
 @device_option
 @quiet_option
+@version_option
 def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, shift, skip_layers, skip_start,
            skip_stop, noise, picture, keep, device, quiet):
     progress = Progress(quiet, "moss-image")
