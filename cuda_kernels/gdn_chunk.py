@@ -1,5 +1,7 @@
 """The gated delta rule in chunks (encoder.md 3.2): the same function as gdn.gated_delta_rule, with the
-serial dependence cut from one per token to one per CHUNK tokens.
+serial dependence cut from one per token to one per CHUNK tokens. Correct (its contract passes at real
+shapes) but, as written here in float32 SIMT, slower than the token recurrence on the H200, so the op
+table does not use it yet (BENCHMARKS.md).
 
 prep, parallel over (value head, chunk): G = cumsum(g) in the chunk, D_ij = e^(G_i - G_j) (j <= i),
   A = strictly_lower(beta K K^T * D), P = lower(Q K^T * D), and by forward substitution on (I + A)

@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, gdn, gdn_chunk, layout, norms, rope_attention
+from cuda_kernels import elementwise, embedding as emb, gdn, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas
 
@@ -274,16 +274,12 @@ class CudaOps:
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
-        """form "chunk": CHUNK tokens per serial step (gdn_chunk); "recurrent": one token per step (gdn)."""
-        out = self.new(v.shape)
-        if form == "recurrent":
-            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
-        elif form == "chunk":
-            shapes = gdn_chunk.workspace_shapes(q.shape[0], v.shape[1], q.shape[2], v.shape[2])
-            work = {name: self.new(shape) for name, shape in shapes.items()}
-            gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream)
-        else:
+        """The token recurrence (gdn) whatever `form` asks: both forms are the same function, and the
+        chunked kernel (gdn_chunk) measured slower on the H200 (BENCHMARKS.md)."""
+        if form not in ("chunk", "recurrent"):
             raise ValueError(f"unknown delta rule form {form!r}")
+        out = self.new(v.shape)
+        gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
         return out
 
 
