@@ -1,0 +1,96 @@
+"""The CUDA op table's data-movement and elementwise logic (slices, broadcasts, norms over 3-D arrays,
+RoPE, the GDN ops, the bf16 embedding) equals the float64 numpy table, run in the CUDA simulator.
+
+The tensor-core products (linear, attention) need cuBLAS and are checked on the GPU (tests/gpu)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+SCRIPT = r'''
+import numpy as np
+import ml_dtypes
+from moss_cli.ops import numpy_ops
+from moss_cli.ops.cuda_table import CudaOps
+
+rng = np.random.default_rng(0)
+gpu = CudaOps()
+
+
+class Float64Ops:
+    """The float64 numpy table, fed float64 copies of the float32 inputs."""
+    table = numpy_ops(np.float64)
+
+    def __getattr__(self, name):
+        def wide(a):
+            if isinstance(a, list):
+                return [wide(b) for b in a]
+            return a.astype(np.float64) if isinstance(a, np.ndarray) and a.dtype == np.float32 else a
+        return lambda *args, **kw: getattr(self.table, name)(*[wide(a) for a in args], **kw)
+
+
+ref = Float64Ops()
+
+
+def r(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def check(name, got, want, tol=2e-6):
+    got = gpu.host(got).astype(np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= tol, (name, err)
+    print("ok", name, f"{err:.1e}")
+
+
+x3, z3 = r(3, 4, 8), r(3, 4, 8)
+w8 = r(8)
+x2 = r(3, 24)
+row = r(24)
+d = lambda a: gpu.array(a)
+check("slice axis 2", gpu.slice(d(x3), 2, 2, 6), ref.slice(x3, 2, 2, 6))
+check("slice axis 1", gpu.slice(d(x2), 1, 8, 16), ref.slice(x2, 1, 8, 16))
+check("transpose", gpu.transpose(d(x3), (1, 0, 2)), ref.transpose(x3, (1, 0, 2)))
+check("concat", gpu.concat([d(x3), d(z3)], axis=1), ref.concat([x3, z3], axis=1))
+check("reshape", gpu.reshape(d(x3), (12, 8)), ref.reshape(x3, (12, 8)))
+check("add row", gpu.add(d(x2), d(row)), ref.add(x2, row))
+check("mul row first", gpu.mul(d(row), d(x2)), ref.mul(row, x2))
+check("sub", gpu.sub(d(x2), d(x2[::-1].copy())), ref.sub(x2, x2[::-1]))
+check("scale", gpu.scale(d(x2), -0.5), ref.scale(x2, -0.5))
+for op in ("sigmoid", "silu", "tanh", "exp", "softplus"):
+    check(op, getattr(gpu, op)(d(x2 * 8)), getattr(ref, op)(x2 * 8), 1e-5)
+check("rms_norm 3-D", gpu.rms_norm(d(x3), d(w8), 1e-6, offset=1.0), ref.rms_norm(x3, w8, 1e-6, offset=1.0), 1e-5)
+check("l2_norm", gpu.l2_norm(d(x3), 1e-6), ref.l2_norm(x3, 1e-6), 1e-5)
+check("gated_rms_norm", gpu.gated_rms_norm(d(x3), d(z3), d(w8), 1e-6), ref.gated_rms_norm(x3, z3, w8, 1e-6), 1e-5)
+cos, sin = np.cos(r(3, 2)), np.sin(r(3, 2))
+check("rope", gpu.rope(d(x3), d(cos), d(sin)), ref.rope(x3, cos, sin), 1e-5)
+cw = r(24, 4)
+check("causal_conv1d", gpu.causal_conv1d(d(x2), d(cw)), ref.causal_conv1d(x2, cw), 1e-5)
+q = r(6, 2, 8) * 0.3
+k = r(6, 2, 8)
+k /= np.linalg.norm(k, axis=-1, keepdims=True)
+v, g, beta = r(6, 4, 4), -np.abs(r(6, 4)), 1 / (1 + np.exp(-r(6, 4)))
+check("gated_delta_rule", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
+      ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
+table = r(10, 8).astype(ml_dtypes.bfloat16)
+ids = np.array([3, 0, 9, 3])
+check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)
+print("all ops equal")
+'''
+
+
+def test_cuda_op_table_matches_the_numpy_table_in_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "all ops equal" in done.stdout
