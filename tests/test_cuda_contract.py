@@ -38,8 +38,8 @@ def test_every_simulator_kernel_passes_its_gate_and_every_control_is_caught():
 def test_moss_cli_imports_without_numba_cuda_and_reports_why_no_gpu():
     code = ("import sys, moss_cli, moss_cli.ops, cuda_kernels; "
             "assert not any(m.startswith('numba.cuda') for m in sys.modules), 'numba.cuda imported'; "
-            "print(cuda_kernels.available())")
+            "ok, why = cuda_kernels.available(); print(ok); print(why)")
     done = _python(["-c", code], sim=False)
     assert done.returncode == 0, done.stderr
-    if "(True" not in done.stdout:
-        assert re.search(r"\(False, '.+'\)", done.stdout), done.stdout
+    ok, why = done.stdout.splitlines()[:2]
+    assert ok in ("True", "False") and (ok == "True" or len(why) > 10), done.stdout
