@@ -120,6 +120,12 @@ def block_max(sh, value):
     return total
 
 
+def bf16_bound(bound):
+    """The bound of a float32 result within `bound` (relative) once rounded to bf16 bits: the rounding
+    adds half a bf16 ulp of the float32 value, itself within (1 + bound) of the exact one."""
+    return bound + EPS16 * (1 + bound)
+
+
 def gamma(n, u=EPS32):
     """Higham's gamma_n = n u / (1 - n u): the error factor of an n-term float sum or dot product."""
     return n * u / (1.0 - n * u)

@@ -1,11 +1,11 @@
-"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast."""
+"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU."""
 
 import math
 
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .core import BLOCK, EPS32, SIMULATED, Case, jit, narrow, to_bf16_bits
+from .core import BLOCK, EPS32, SIMULATED, Case, bf16_bound, from_bf16_bits, jit, narrow, to_bf16_bits
 
 SCALE, SIGMOID, SILU, TANH, EXP, SOFTPLUS = range(6)
 UNARY = {"scale": SCALE, "sigmoid": SIGMOID, "silu": SILU, "tanh": TANH, "exp": EXP, "softplus": SOFTPLUS}
@@ -116,6 +116,34 @@ def binary(a, b, out, op, stream=0, control=False):
     _binary[control][grid, block, stream](a, b, out, BINARY[op])
 
 
+# --- SwiGLU ----------------------------------------------------------------------------------
+def _make_swiglu(control, bits):
+    @jit
+    def swiglu(gate, up, out):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= out.shape[1]:
+            return
+        for r in range(cuda.blockIdx.y, out.shape[0], cuda.gridDim.y):
+            g, u = (up[r, i], gate[r, i]) if control else (gate[r, i], up[r, i])
+            y = silu(g) * u
+            if bits:
+                out[r, i] = narrow(y)
+            else:
+                out[r, i] = y
+    return swiglu
+
+
+_swiglu = {(c, b): _make_swiglu(c, b) for c in (False, True) for b in (False, True)}
+
+
+def swiglu(gate, up, out, stream=0, control=False):
+    """out = silu(gate) * up over [R, N] arrays of any strides (gate and up may be column blocks of one
+    product's output); out float32, or uint16 for bf16 bits: the next product's operand."""
+    rows, n = out.shape
+    grid = ((n + BLOCK - 1) // BLOCK, max(1, min(rows, 2 if SIMULATED else 65535)))
+    _swiglu[control, out.dtype == np.uint16][grid, BLOCK, stream](gate, up, out)
+
+
 # --- contract --------------------------------------------------------------------------------
 def _sizes(size):
     return (4, 24) if size == "tiny" else (1000, 4096)
@@ -188,10 +216,28 @@ def _ref_binary(inp):
     return np.concatenate(refs), EPS32 * np.concatenate(mags) + 1e-30
 
 
+def _run_swiglu(inp, control):
+    """gate and up as the two column blocks of one [R, 2N] product output, bf16 bits out."""
+    both = cuda.to_device(np.concatenate([inp["a"], inp["b"]], axis=1))
+    n = inp["a"].shape[1]
+    out = cuda.device_array(inp["a"].shape, np.uint16)
+    swiglu(both[:, :n], both[:, n:], out, control=control)
+    return from_bf16_bits(out.copy_to_host())
+
+
+def _ref_swiglu(inp):
+    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
+    ref = a / (1 + np.exp(-a)) * b
+    # silu as in unary (a few roundings), one product, then half a bf16 ulp
+    return ref, bf16_bound(10 * EPS32) * np.abs(ref) + 1e-30
+
+
 CASES = [
     Case("cast_bf16", _make_vec, _run_cast, _ref_cast,
          notes="control: truncates instead of rounding to nearest even"),
     Case("unary", _make_vec, _run_unary, _ref_unary, notes="control: sigmoid with the sign of x flipped"),
     Case("binary", _make_binary_inputs, _run_binary, _ref_binary,
          notes="control: broadcasts the row operand down columns instead of along rows"),
+    Case("swiglu_bf16_out", _make_binary_inputs, _run_swiglu, _ref_swiglu,
+         notes="control: silu of up times gate (the operands swapped)"),
 ]

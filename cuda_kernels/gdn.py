@@ -123,8 +123,33 @@ def _make_delta_rule(control, per, parts):
     return gated_delta_rule
 
 
+def _make_gates(control):
+    @jit
+    def gdn_gates(a, b, a_log, dt_bias, g, beta):
+        h = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if h >= g.shape[1]:
+            return
+        rate = -math.exp(a_log[h])
+        bias = float32(0.0) if control else dt_bias[h]
+        for t in range(cuda.blockIdx.y, g.shape[0], cuda.gridDim.y):
+            s = a[t, h] + bias
+            g[t, h] = rate * (s if s > float32(20.0) else math.log1p(math.exp(s)))
+            beta[t, h] = float32(1.0) / (float32(1.0) + math.exp(-b[t, h]))
+    return gdn_gates
+
+
+_gates = {c: _make_gates(c) for c in (False, True)}
 _conv = {}
 _delta = {}
+
+
+def gdn_gates(a, b, a_log, dt_bias, g, beta, stream=0, control=False):
+    """g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: x itself above 20), beta = sigmoid(b);
+    a, b [L, H] of any strides (column blocks of the input product), A_log, dt_bias [H]; g, beta [L, H]."""
+    n, heads = g.shape
+    threads = 32 if heads <= 32 else 128
+    grid = ((heads + threads - 1) // threads, max(1, min(n, 2 if SIMULATED else 65535)))
+    _gates[control][grid, threads, stream](a, b, a_log, dt_bias, g, beta)
 
 
 def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
@@ -162,6 +187,12 @@ def causal_conv1d_reference(x, w, activate=True):
     pad = np.concatenate([np.zeros((width - 1, x.shape[1])), x])
     y = sum(w[:, j] * pad[j:j + n] for j in range(width))
     return y / (1 + np.exp(-y)) if activate else y
+
+
+def gdn_gates_reference(a, b, a_log, dt_bias):
+    a, b, a_log, dt_bias = (x.astype(np.float64) for x in (a, b, a_log, dt_bias))
+    s = a + dt_bias
+    return -np.exp(a_log) * np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20)))), 1 / (1 + np.exp(-b))
 
 
 def gated_delta_rule_reference(q, k, v, g, beta):
@@ -231,7 +262,37 @@ def _ref_delta(inp):
     return ref, 4 * gamma(steps) * terms + 1e-30
 
 
+def _make_gates_inputs(rng, size):
+    n, h = (5, 4) if size == "tiny" else (1000, 32)
+    return {"ab": (rng.standard_normal((n, 2 * h + 3)) * 8).astype(np.float32),
+            "a_log": np.log(rng.uniform(1, 16, h)).astype(np.float32),
+            "dt_bias": rng.uniform(0.5, 1.5, h).astype(np.float32)}
+
+
+def _run_gates(inp, control):
+    """a and b as column blocks of a wider product output, as the fused input projection leaves them."""
+    h = inp["a_log"].size
+    ab = cuda.to_device(inp["ab"])
+    g = cuda.device_array((ab.shape[0], h), np.float32)
+    beta = cuda.device_array((ab.shape[0], h), np.float32)
+    gdn_gates(ab[:, 3:3 + h], ab[:, 3 + h:], cuda.to_device(inp["a_log"]), cuda.to_device(inp["dt_bias"]),
+              g, beta, control=control)
+    return np.concatenate([g.copy_to_host(), beta.copy_to_host()], axis=1)
+
+
+def _ref_gates(inp):
+    h = inp["a_log"].size
+    g, beta = gdn_gates_reference(inp["ab"][:, 3:3 + h], inp["ab"][:, 3 + h:], inp["a_log"], inp["dt_bias"])
+    ref = np.concatenate([g, beta], axis=1)
+    # exp, log1p, a sum, a product, a division: each a float32 rounding or within 2 ulp; softplus's
+    # argument carries one rounding of |a| + |dt_bias| (its slope is below 1)
+    s = np.abs(inp["ab"][:, 3:3 + h].astype(np.float64)) + np.abs(inp["dt_bias"])
+    arg = np.concatenate([EPS32 * s * np.exp(inp["a_log"].astype(np.float64)), 0 * s], axis=1)
+    return ref, 10 * EPS32 * np.abs(ref) + arg + 1e-30
+
+
 CASES = [
+    Case("gdn_gates", _make_gates_inputs, _run_gates, _ref_gates, notes="control: dt_bias left out"),
     Case("causal_conv1d_silu", _make_conv_inputs, _run_conv, _ref_conv,
          notes="control: the taps reversed (correlation instead of the causal convolution)"),
     Case("gated_delta_rule", _make_delta_inputs, _run_delta, _ref_delta,

@@ -83,7 +83,7 @@ class Blas:
         self._plans[key] = plan
         return plan
 
-    def _launch(self, plan, a, x, out, bias, accumulate, stream, choice):
+    def _launch(self, plan, a, x, out, bias, accumulate, stream, choice, c=None):
         lt = self.lt
         if bias is not None:
             _set(lt.matmul_desc_set_attribute, plan["desc"], lt.MatmulDescAttribute.BIAS_POINTER,
@@ -92,20 +92,25 @@ class Blas:
         found = plan["found"]
         algo = found.ctypes.data + choice * found.itemsize
         beta = self._one if accumulate else self._zero
+        c = out if c is None else c        # out-of-place C (same type and layout as D) is allowed
         lt.matmul(self.lt_handle, plan["desc"], self._one.ctypes.data, pointer(a), a_layout, pointer(x),
-                  b_layout, beta.ctypes.data, pointer(out), c_layout, pointer(out), c_layout, algo,
+                  b_layout, beta.ctypes.data, pointer(c), c_layout, pointer(out), c_layout, algo,
                   pointer(self.workspace), WORKSPACE, stream_handle(stream))
 
-    def linear(self, x, w, out, bias=None, accumulate=False, stream=0):
-        """out[M, N] (+)= x[M, K] @ w[N, K]^T (+ bias[N]); x, w bf16 bits; out float32 or bf16 bits."""
+    def linear(self, x, w, out, bias=None, accumulate=False, residual=None, stream=0):
+        """out[M, N] (+)= x[M, K] @ w[N, K]^T (+ bias[N]) (+ residual[M, N], the beta = 1 epilogue reading
+        another array); x, w bf16 bits; out (and residual) float32 or bf16 bits, contiguous."""
         m, k = x.shape
         n = w.shape[0]
         out_type = R_32F if out.dtype == np.float32 else R_16BF
+        if residual is not None and (residual.dtype != out.dtype or tuple(residual.shape) != (m, n)):
+            raise ValueError(f"residual {residual.dtype} {residual.shape} does not match out {out.dtype} {(m, n)}")
+        accumulate = accumulate or residual is not None
         plan = self._plan(m, n, k, out_type, bias is not None, accumulate, stream)
         if self.tune and "tuned" not in plan:
             plan["choice"] = self._time_choices(plan, w, x, out, bias, accumulate, stream)
             plan["tuned"] = True
-        self._launch(plan, w, x, out, bias, accumulate, stream, plan["choice"])
+        self._launch(plan, w, x, out, bias, accumulate, stream, plan["choice"], residual)
 
     def _time_choices(self, plan, w, x, out, bias, accumulate, stream):
         """Time each heuristic candidate a few times and keep the fastest (output is recomputed after)."""
@@ -184,7 +189,31 @@ def _ref(inp, out_bits=False):
     return ref, bound + (EPS16 * np.abs(ref) if out_bits else 0)
 
 
+def _run_residual(inp, control):
+    x, w = cuda.to_device(inp["x"]), cuda.to_device(inp["w"])
+    residual = cuda.to_device(inp["residual"])
+    out = cuda.device_array((x.shape[0], w.shape[0]), np.float32)
+    # control: the residual ignored (the plain product)
+    blas().linear(x, w, out, residual=None if control else residual)
+    cuda.synchronize()
+    return out.copy_to_host()
+
+
+def _ref_residual(inp):
+    ref = linear_reference(inp["x"], inp["w"]) + inp["residual"].astype(np.float64)
+    terms = np.abs(from_bf16_bits(inp["x"])) @ np.abs(from_bf16_bits(inp["w"])).T + np.abs(inp["residual"])
+    return ref, gamma(inp["x"].shape[1] + 1) * terms + 1e-30
+
+
+def _make_residual(rng, size):
+    inp = _make(rng, size)
+    inp["residual"] = rng.standard_normal((inp["x"].shape[0], inp["w"].shape[0])).astype(np.float32)
+    return inp
+
+
 CASES = [
+    Case("linear_bf16_residual", _make_residual, _run_residual, _ref_residual, simulator=False,
+         notes="control: the residual not added"),
     Case("linear_bf16_f32out_bias", _make, _run, _ref, simulator=False,
          notes="control: the weight passed untransposed"),
     Case("linear_bf16_bf16out", _make, lambda i, c: _run(i, c, np.uint16), lambda i: _ref(i, True),

@@ -1,6 +1,7 @@
 """Row normalisations: RMSNorm (plain or zero-centred), the L2 norm of GDN q/k, the gated RMSNorm.
 
-One block per row; float32 sums through a shared-memory tree (no warp shuffles: runs in the simulator).
+One block per row, each thread keeping PER of the row's elements in registers between the sum of squares
+and the write (the row is read once); the RMSNorms can write bf16 bits, the operand of the next product.
 """
 
 import math
@@ -8,31 +9,59 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, WARP, Case, block_sum, gamma, jit
+from .core import BLOCK, EPS32, SIMULATED, WARP, Case, bf16_bound, block_sum, from_bf16_bits, gamma, jit, narrow
 
-MAXBLOCK = 256
+MAXBLOCK = 1024
+PER = 4          # row elements per thread held in registers (longer rows read the rest twice)
 
 
 def _threads(d):
-    """Threads per row: a power of two, at least a warp, at most BLOCK, no more than the row needs."""
-    t = WARP
-    while t < min(d, BLOCK):
+    """Threads per row: a power of two, at least a warp, about d / PER, at most MAXBLOCK (BLOCK in the
+    simulator, which pays per thread)."""
+    t, most = WARP, BLOCK if SIMULATED else MAXBLOCK
+    while t < most and t * PER < d:
         t *= 2
     return t
 
 
-def _make_rms_norm(control):
+@jit(device=True)
+def _store(out, row, i, y, bits):
+    """out[row, i] = y, as bf16 bits (round to nearest even) when `bits`."""
+    if bits:
+        out[row, i] = narrow(y)
+    else:
+        out[row, i] = y
+
+
+@jit(device=True)
+def _gate(g, control):
+    """silu(g) (control: sigmoid(g))."""
+    s = float32(1.0) / (float32(1.0) + math.exp(-g))
+    return s if control else g * s
+
+
+def _make_rms_norm(control, bits):
     @jit
     def rms_norm(x, w, out, eps, offset):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         sh = cuda.shared.array(MAXBLOCK, float32)
+        vals = cuda.local.array(PER, float32)
         d = x.shape[1]
         acc = float32(0.0)
-        for i in range(tid, d, nt):
+        for j in range(PER):
+            i = tid + j * nt
+            vals[j] = x[row, i] if i < d else float32(0.0)
+            acc += vals[j] * vals[j]
+        for i in range(tid + PER * nt, d, nt):
             acc += x[row, i] * x[row, i]
         r = float32(1.0) / math.sqrt(block_sum(sh, acc) / float32(d) + eps)
-        for i in range(tid, d, nt):
-            out[row, i] = x[row, i] * r * (w[i] if control else offset + w[i])
+        # the first PER elements from registers (a constant trip count, unrolled), any rest read again
+        for j in range(PER):
+            i = tid + j * nt
+            if i < d:
+                _store(out, row, i, vals[j] * r * (w[i] if control else offset + w[i]), bits)
+        for i in range(tid + PER * nt, d, nt):
+            _store(out, row, i, x[row, i] * r * (w[i] if control else offset + w[i]), bits)
     return rms_norm
 
 
@@ -41,46 +70,67 @@ def _make_l2_norm(control):
     def l2_norm(x, out, eps, scale):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         sh = cuda.shared.array(MAXBLOCK, float32)
+        vals = cuda.local.array(PER, float32)
         d = x.shape[1]
         acc = float32(0.0)
-        for i in range(tid, d, nt):
+        for j in range(PER):
+            i = tid + j * nt
+            vals[j] = x[row, i] if i < d else float32(0.0)
+            acc += vals[j] * vals[j]
+        for i in range(tid + PER * nt, d, nt):
             acc += x[row, i] * x[row, i]
         total = block_sum(sh, acc)
         if control:
             total = total / float32(d)
         r = scale / math.sqrt(total + eps)
-        for i in range(tid, d, nt):
+        for j in range(PER):
+            i = tid + j * nt
+            if i < d:
+                out[row, i] = vals[j] * r
+        for i in range(tid + PER * nt, d, nt):
             out[row, i] = x[row, i] * r
     return l2_norm
 
 
-def _make_gated_rms_norm(control):
+def _make_gated_rms_norm(control, bits):
     @jit
     def gated_rms_norm(x, z, w, out, eps):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        t, h = row // x.shape[1], row % x.shape[1]
         sh = cuda.shared.array(MAXBLOCK, float32)
-        d = x.shape[1]
+        vals = cuda.local.array(PER, float32)
+        d = x.shape[2]
         acc = float32(0.0)
-        for i in range(tid, d, nt):
-            acc += x[row, i] * x[row, i]
+        for j in range(PER):
+            i = tid + j * nt
+            vals[j] = x[t, h, i] if i < d else float32(0.0)
+            acc += vals[j] * vals[j]
+        for i in range(tid + PER * nt, d, nt):
+            acc += x[t, h, i] * x[t, h, i]
         r = float32(1.0) / math.sqrt(block_sum(sh, acc) / float32(d) + eps)
-        for i in range(tid, d, nt):
-            g = z[row, i]
-            gate = float32(1.0) / (float32(1.0) + math.exp(-g))
-            if not control:
-                gate = g * gate
-            out[row, i] = w[i] * (x[row, i] * r) * gate
+        for j in range(PER):
+            i = tid + j * nt
+            if i < d:
+                _store(out[t], h, i, w[i] * (vals[j] * r) * _gate(z[t, h, i], control), bits)
+        for i in range(tid + PER * nt, d, nt):
+            _store(out[t], h, i, w[i] * (x[t, h, i] * r) * _gate(z[t, h, i], control), bits)
     return gated_rms_norm
 
 
-_rms = {c: _make_rms_norm(c) for c in (False, True)}
+_rms = {(c, b): _make_rms_norm(c, b) for c in (False, True) for b in (False, True)}
 _l2 = {c: _make_l2_norm(c) for c in (False, True)}
-_gated = {c: _make_gated_rms_norm(c) for c in (False, True)}
+_gated = {(c, b): _make_gated_rms_norm(c, b) for c in (False, True) for b in (False, True)}
+
+
+def _bits(out):
+    return out.dtype == np.uint16
 
 
 def rms_norm(x, w, out, eps, offset, stream=0, control=False):
-    """out = x / sqrt(mean(x^2) + eps) * (offset + w) per row of x [R, D]; w float32 [D]."""
-    _rms[control][x.shape[0], _threads(x.shape[1]), stream](x, w, out, np.float32(eps), np.float32(offset))
+    """out = x / sqrt(mean(x^2) + eps) * (offset + w) per row of x [R, D]; w float32 [D]; out float32,
+    or uint16 for bf16 bits (rounded to nearest even)."""
+    _rms[control, _bits(out)][x.shape[0], _threads(x.shape[1]), stream](x, w, out, np.float32(eps),
+                                                                       np.float32(offset))
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
@@ -89,8 +139,10 @@ def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
 
 
 def gated_rms_norm(x, z, w, out, eps, stream=0, control=False):
-    """out = (w * x / sqrt(mean(x^2) + eps)) * silu(z) per row of x, z [R, d]; w float32 [d]."""
-    _gated[control][x.shape[0], _threads(x.shape[1]), stream](x, z, w, out, np.float32(eps))
+    """out = (w * x / sqrt(mean(x^2) + eps)) * silu(z) over the last axis of x, z [L, H, d] (any strides);
+    w float32 [d]; out float32 or uint16 (bf16 bits)."""
+    _gated[control, _bits(out)][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](x, z, w, out,
+                                                                                      np.float32(eps))
 
 
 # --- float64 references: the spec of each kernel ----------------------------------------------
@@ -112,7 +164,7 @@ def gated_rms_norm_reference(x, z, w, eps):
 
 # --- contract --------------------------------------------------------------------------------
 def _make(rng, size):
-    rows, d = (3, 40) if size == "tiny" else (4000, 4096)
+    rows, d = (4, 40) if size == "tiny" else (4000, 4096)
     x = rng.standard_normal((rows, d)).astype(np.float32)
     x[0] *= np.float32(1e-3)    # a small row, where eps matters
     return {"x": x, "z": rng.standard_normal((rows, d)).astype(np.float32) * 3,
@@ -148,21 +200,44 @@ def _ref_l2(inp):
     return ref, (0.5 * gamma(inp["x"].shape[1]) + 5 * EPS32) * np.abs(ref) + 1e-30
 
 
-def _run_gated(inp, control):
-    x, z, w = _device(inp, "x", "z", "w")
-    out = cuda.device_array(inp["x"].shape, np.float32)
-    gated_rms_norm(x, z, w, out, inp["eps"], control=control)
-    return out.copy_to_host()
+def _run_gated(inp, control, bits=False):
+    """x as [L, H, d]; z a column block of a wider matrix, as the fused input product leaves it."""
+    rows, d = inp["x"].shape
+    x, w = _device(inp, "x", "w")
+    pairs = [inp[n].reshape(rows // 2, 2 * d) for n in ("x", "z", "x")]
+    wide = cuda.to_device(np.concatenate(pairs, axis=1))
+    z = wide[:, 2 * d:4 * d].reshape(rows // 2, 2, d)
+    out = cuda.device_array((rows // 2, 2, d), np.uint16 if bits else np.float32)
+    gated_rms_norm(x.reshape(rows // 2, 2, d), z, w, out, inp["eps"], control=control)
+    host = out.copy_to_host().reshape(rows, d)
+    return from_bf16_bits(host) if bits else host
 
 
-def _ref_gated(inp):
+def _ref_gated(inp, bits=False):
     ref = gated_rms_norm_reference(inp["x"], inp["z"], inp["w"], inp["eps"])
-    # as rms_norm, plus silu (exp within 2 ulp, a division, a product)
-    return ref, (0.5 * gamma(inp["x"].shape[1]) + 12 * EPS32) * np.abs(ref) + 1e-30
+    # as rms_norm, plus silu (exp within 2 ulp, a division, a product); bf16 bits add half a bf16 ulp
+    rel = 0.5 * gamma(inp["x"].shape[1]) + 12 * EPS32
+    return ref, (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+
+
+def _run_rms_bits(inp, control):
+    x, w = _device(inp, "x", "w")
+    out = cuda.device_array(inp["x"].shape, np.uint16)
+    rms_norm(x, w, out, inp["eps"], 1.0, control=control)
+    return from_bf16_bits(out.copy_to_host())
+
+
+def _ref_rms_bits(inp):
+    ref = rms_norm_reference(inp["x"], inp["w"], inp["eps"], 1.0)
+    return ref, bf16_bound(0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32) * np.abs(ref) + 1e-30
 
 
 CASES = [
     Case("rms_norm", _make, _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
     Case("l2_norm", _make, _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
+    Case("rms_norm_bf16_out", _make, _run_rms_bits, _ref_rms_bits,
+         notes="control: plain w where zero-centred needs 1 + w"),
     Case("gated_rms_norm", _make, _run_gated, _ref_gated, notes="control: sigmoid(z) gate instead of silu(z)"),
+    Case("gated_rms_norm_bf16_out", _make, lambda i, c: _run_gated(i, c, True), lambda i: _ref_gated(i, True),
+         notes="control: sigmoid(z) gate instead of silu(z)"),
 ]

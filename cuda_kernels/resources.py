@@ -21,9 +21,10 @@ def _signatures():
     from numba.core import types as t
     from . import elementwise, embedding, gdn, gdn_chunk, layout, norms, rope_attention
 
-    def a(dtype, ndim):
-        return t.Array(dtype, ndim, "C")
+    def a(dtype, ndim, layout="C"):
+        return t.Array(dtype, ndim, layout)
     f1, f2, f3, f4 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3), a(t.float32, 4)
+    s2, s3, b2, b3 = a(t.float32, 2, "A"), a(t.float32, 3, "A"), a(t.uint16, 2), a(t.uint16, 3)
     tup = t.UniTuple(t.int64, 4)
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
@@ -33,12 +34,15 @@ def _signatures():
         "copy_rows": (layout._rows[False], (f1, t.int64, t.int64, f1, t.int64, t.int64, t.int64, t.int64)),
         "random_bf16": (layout._random[False], (a(t.uint16, 1), t.uint32, t.float32, t.float32)),
         "embedding": (embedding._embedding[False], (a(t.uint16, 2), a(t.int32, 1), f2)),
-        "rms_norm": (norms._rms[False], (f2, f1, f2, t.float32, t.float32)),
+        "rms_norm": (norms._rms[False, False], (f2, f1, f2, t.float32, t.float32)),
+        "rms_norm_bf16_out": (norms._rms[False, True], (f2, f1, b2, t.float32, t.float32)),
         "l2_norm": (norms._l2[False], (f2, f2, t.float32, t.float32)),
-        "gated_rms_norm": (norms._gated[False], (f2, f2, f1, f2, t.float32)),
+        "gated_rms_norm_bf16_out": (norms._gated[False, True], (f3, s3, f1, b3, t.float32)),
+        "swiglu_bf16_out": (elementwise._swiglu[False, True], (s2, s2, b2)),
+        "gdn_gates": (gdn._gates[False], (s2, s2, f1, f1, f2, f2)),
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
         "softmax_causal": (rope_attention._softmax[False], (f3, t.float32, t.boolean)),
-        "causal_conv1d_k4": (gdn._make_conv(False, 4), (f2, f2, f2, t.boolean)),
+        "causal_conv1d_k4": (gdn._make_conv(False, 4), (s2, f2, f2, t.boolean)),
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
                                    (f3, f3, f3, f2, f2, f3)),
         "delta_chunk_prep_dk128": (gdn_chunk._make_prep(False, 128), (f3, f3, f3, f2, f2, f2, f4, f4, f4)),

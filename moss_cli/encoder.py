@@ -122,6 +122,9 @@ class Qwen35Encoder:
     def w(self, name):
         return self.ops.param(self.tensors, name)
 
+    def ws(self, *names):
+        return self.ops.params(self.tensors, names)
+
     def __call__(self, ids, on_layer=None):
         ops, c = self.ops, self.config
         ids = np.asarray(ids).reshape(-1)
@@ -137,58 +140,56 @@ class Qwen35Encoder:
         eps = c["rms_norm_eps"]
         for i, kind in enumerate(c["layer_types"]):
             p = f"layers.{i}."
-            h = ops.rms_norm(x, self.w(p + "input_layernorm.weight"), eps, offset=1.0)
+            # each sublayer adds its output to x (the residual) inside its last product
+            h = ops.rms_norm(x, self.w(p + "input_layernorm.weight"), eps, offset=1.0, operand=True)
             if kind == "full_attention":
-                x = ops.add(x, self.attention(p + "self_attn.", h, cos, sin))
+                x = self.attention(p + "self_attn.", h, cos, sin, x)
             else:
-                x = ops.add(x, self.delta_net(p + "linear_attn.", h))
-            h = ops.rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps, offset=1.0)
-            x = ops.add(x, self.mlp(p + "mlp.", h))
+                x = self.delta_net(p + "linear_attn.", h, x)
+            h = ops.rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps, offset=1.0, operand=True)
+            x = self.mlp(p + "mlp.", h, x)
             if on_layer is not None:
                 on_layer(i, x)
         x = ops.rms_norm(x, self.w("norm.weight"), eps, offset=1.0)
         return ops.host(x)
 
-    def mlp(self, p, h):
+    def mlp(self, p, h, x):
         ops = self.ops
-        gate = ops.silu(ops.linear(h, self.w(p + "gate_proj.weight")))
-        return ops.linear(ops.mul(gate, ops.linear(h, self.w(p + "up_proj.weight"))), self.w(p + "down_proj.weight"))
+        gate, up = ops.linears(h, self.ws(p + "gate_proj.weight", p + "up_proj.weight"))
+        return ops.linear(ops.swiglu(gate, up, operand=True), self.w(p + "down_proj.weight"), residual=x)
 
-    def attention(self, p, h, cos, sin):
+    def attention(self, p, h, cos, sin, x):
         """Gated full attention: per head, q_proj rows [query | gate]; q/k norms, partial RoPE, causal GQA."""
         ops, c = self.ops, self.config
         L, hd, nq, nkv = h.shape[0], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
         eps = c["rms_norm_eps"]
-        both = ops.reshape(ops.linear(h, self.w(p + "q_proj.weight")), (L, nq, 2 * hd))
+        both, k, v = ops.linears(h, self.ws(p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"))
+        both = ops.reshape(both, (L, nq, 2 * hd))
         q = ops.slice(both, 2, 0, hd)
         gate = ops.reshape(ops.slice(both, 2, hd, 2 * hd), (L, nq * hd))
-        k = ops.reshape(ops.linear(h, self.w(p + "k_proj.weight")), (L, nkv, hd))
-        v = ops.reshape(ops.linear(h, self.w(p + "v_proj.weight")), (L, nkv, hd))
+        k = ops.reshape(k, (L, nkv, hd))
+        v = ops.reshape(v, (L, nkv, hd))
         q = ops.rope(ops.rms_norm(q, self.w(p + "q_norm.weight"), eps, offset=1.0), cos, sin)
         k = ops.rope(ops.rms_norm(k, self.w(p + "k_norm.weight"), eps, offset=1.0), cos, sin)
         o = ops.reshape(ops.attention(q, k, v, hd ** -0.5, causal=True), (L, nq * hd))
-        return ops.linear(ops.mul(o, ops.sigmoid(gate)), self.w(p + "o_proj.weight"))
+        return ops.linear(ops.mul(o, ops.sigmoid(gate)), self.w(p + "o_proj.weight"), residual=x)
 
-    def delta_net(self, p, h):
+    def delta_net(self, p, h, x):
         """Gated DeltaNet: conv over [q | k | v] channels, L2-normed q/k, decay g and write strength beta."""
         ops, c = self.ops, self.config
         L = h.shape[0]
         dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
         hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
         conv_w = self.w(p + "conv1d.weight")
-        mixed = ops.linear(h, self.w(p + "in_proj_qkv.weight"))
-        mixed = ops.silu(ops.causal_conv1d(mixed, ops.reshape(conv_w, (conv_w.shape[0], conv_w.shape[2]))))
+        mixed, z, b, a = ops.linears(h, self.ws(*(p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))))
+        mixed = ops.causal_conv1d(mixed, ops.reshape(conv_w, (conv_w.shape[0], conv_w.shape[2])), activate=True)
         q = ops.reshape(ops.slice(mixed, 1, 0, hk * dk), (L, hk, dk))
         k = ops.reshape(ops.slice(mixed, 1, hk * dk, 2 * hk * dk), (L, hk, dk))
         v = ops.reshape(ops.slice(mixed, 1, 2 * hk * dk, 2 * hk * dk + hv * dv), (L, hv, dv))
-        q = ops.scale(ops.l2_norm(q, L2_EPS), dk ** -0.5)
+        q = ops.l2_norm(q, L2_EPS, scale=dk ** -0.5)
         k = ops.l2_norm(k, L2_EPS)
-        z = ops.reshape(ops.linear(h, self.w(p + "in_proj_z.weight")), (L, hv, dv))
-        beta = ops.sigmoid(ops.linear(h, self.w(p + "in_proj_b.weight")))
-        a = ops.linear(h, self.w(p + "in_proj_a.weight"))
-        rate = ops.scale(ops.exp(self.w(p + "A_log")), -1.0)
-        g = ops.mul(rate, ops.softplus(ops.add(a, self.w(p + "dt_bias"))))
+        g, beta = ops.gdn_gates(a, b, self.w(p + "A_log"), self.w(p + "dt_bias"))
         o = ops.gated_delta_rule(q, k, v, g, beta, form=self.form)
-        y = ops.gated_rms_norm(o, z, self.w(p + "norm.weight"), c["rms_norm_eps"])
-        y = ops.reshape(y, (L, hv * dv))
-        return ops.linear(y, self.w(p + "out_proj.weight"))
+        z = ops.reshape(z, (L, hv, dv))
+        y = ops.gated_rms_norm(o, z, self.w(p + "norm.weight"), c["rms_norm_eps"], operand=True)
+        return ops.linear(ops.reshape(y, (L, hv * dv)), self.w(p + "out_proj.weight"), residual=x)

@@ -113,7 +113,7 @@ def hf_hidden(model, ids):
     return [h[0].double().cpu().numpy() for h in out.hidden_states]
 
 
-def profile(enc, ids, top=12):
+def profile(enc, ids, top=16):
     """GPU time per kernel over 3 graph replays (CUPTI through torch.profiler): the top rows."""
     from torch.profiler import ProfilerActivity, profile as prof
     enc(ids)
@@ -127,7 +127,8 @@ def profile(enc, ids, top=12):
             continue
         name = e.name
         for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
-                    "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary"):
+                    "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu",
+                    "gdn_gates"):
             if key in name:
                 name = key
                 break

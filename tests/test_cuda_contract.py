@@ -30,7 +30,7 @@ def test_every_simulator_kernel_passes_its_gate_and_every_control_is_caught():
     summary = re.search(r"(\d+) kernels, (\d+) pass; (\d+) controls, (\d+) caught", done.stdout)
     assert summary, done.stdout + done.stderr
     kernels, passed, controls, caught = map(int, summary.groups())
-    assert kernels >= 15
+    assert kernels >= 19
     assert (passed, controls, caught) == (kernels, kernels, kernels), done.stdout
     assert done.returncode == 0
 

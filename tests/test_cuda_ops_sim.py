@@ -18,6 +18,7 @@ import numpy as np
 import ml_dtypes
 from moss_cli.ops import numpy_ops
 from moss_cli.ops.cuda_table import CudaOps
+from cuda_kernels.core import from_bf16_bits
 
 rng = np.random.default_rng(0)
 gpu = CudaOps()
@@ -43,7 +44,8 @@ def r(*shape):
 
 
 def check(name, got, want, tol=2e-6):
-    got = gpu.host(got).astype(np.float64)
+    got = gpu.host(got)
+    got = from_bf16_bits(got) if got.dtype == np.uint16 else got.astype(np.float64)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, (name, got.shape, want.shape)
     err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
@@ -80,6 +82,27 @@ k /= np.linalg.norm(k, axis=-1, keepdims=True)
 v, g, beta = r(6, 4, 4), -np.abs(r(6, 4)), 1 / (1 + np.exp(-r(6, 4)))
 check("gated_delta_rule", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
+# the fused ops; "operand" results are bf16 bits (relative error up to 2^-8)
+check("rms_norm operand", gpu.rms_norm(d(x3), d(w8), 1e-6, offset=1.0, operand=True),
+      ref.rms_norm(x3, w8, 1e-6, offset=1.0), 2 ** -8)
+wide = d(np.concatenate([x2, x2 * 4, row[None].repeat(3, 0)], axis=1))
+gate, up = wide[:, 24:48], wide[:, 48:72]        # column blocks, as a stacked product leaves them
+check("swiglu", gpu.swiglu(gate, up), ref.swiglu(x2 * 4, np.broadcast_to(row, (3, 24))), 1e-5)
+check("swiglu operand", gpu.swiglu(gate, up, operand=True), ref.swiglu(x2 * 4, np.broadcast_to(row, (3, 24))),
+      2 ** -8)
+check("reshape of a column block", gpu.reshape(gate, (3, 3, 8)), (x2 * 4).reshape(3, 3, 8))
+check("l2_norm scaled", gpu.l2_norm(d(x3), 1e-6, scale=0.3), ref.l2_norm(x3, 1e-6, scale=0.3), 1e-5)
+zw = gpu.reshape(d(np.concatenate([x2, z3.reshape(3, 32)], axis=1))[:, 24:], (3, 4, 8))
+check("gated_rms_norm strided z operand", gpu.gated_rms_norm(d(x3), zw, d(w8), 1e-6, operand=True),
+      ref.gated_rms_norm(x3, z3, w8, 1e-6), 2 ** -8)
+ab = r(3, 11) * 8
+a_log, dt_bias = np.log(np.abs(r(4)) + 1), r(4)
+got = gpu.gdn_gates(d(ab)[:, 1:5], d(ab)[:, 5:9], d(a_log), d(dt_bias))
+want = ref.gdn_gates(ab[:, 1:5], ab[:, 5:9], a_log, dt_bias)
+check("gdn_gates g", got[0], want[0], 1e-5)
+check("gdn_gates beta", got[1], want[1], 1e-5)
+check("causal_conv1d silu, strided x", gpu.causal_conv1d(wide[:, 24:48], d(cw), activate=True),
+      ref.causal_conv1d(x2 * 4, cw, activate=True), 1e-5)
 table = r(10, 8).astype(ml_dtypes.bfloat16)
 ids = np.array([3, 0, 9, 3])
 check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)

@@ -1,7 +1,10 @@
 """The GPU op table: the numpy table's op names over numba device arrays, and the encoder on the GPU.
 
 Activations are float32 device arrays; matrices (linear weights, the embedding) stay bf16, held as
-uint16 bits, and each linear rounds its input to bf16 for the tensor-core product (float32 accumulate).
+uint16 bits, and each linear rounds its input to bf16 for the tensor-core product (float32 accumulate),
+unless the op before it already wrote bf16 bits (`operand=True`: norms, swiglu). Weights read together
+(`params`) are stacked once into one matrix, so projections of one input are one product whose column
+blocks the next kernels read in place (strided views); residual adds are the product's beta = 1 epilogue.
 Intermediates come from a pool keyed by size and go back when no array refers to them, so the same
 sequence of ops reuses the same buffers: that is what lets a forward pass be captured as a CUDA graph
 once per prompt-length bucket and replayed (stream order keeps reuse safe inside one graph).
@@ -19,11 +22,28 @@ from cuda_kernels import elementwise, embedding as emb, gdn, layout, norms, rope
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas
 
-from ..encoder import Qwen35Encoder, expected_tensors, text_config
+from ..encoder import Qwen35Encoder, text_config
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 16 tokens up to 256, of 64 up to 2048, of 256 up to MAX_TOKENS. One graph is captured per bucket.
 MAX_TOKENS = 32768
+
+
+class _View:
+    """A strided view of a device array (what numba's reshape refuses for non-contiguous arrays)."""
+
+    def __init__(self, x, shape, strides):
+        self.base = x
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": x.dtype.str, "strides": tuple(strides),
+            "data": (x.__cuda_array_interface__["data"][0], False), "version": 3, "stream": None}
+
+
+class Stacked:
+    """Weights stacked along their output rows [sum N, K] (bf16 bits) and each one's row count."""
+
+    def __init__(self, weight, sizes):
+        self.weight, self.sizes = weight, tuple(sizes)
 
 
 class _Lease:
@@ -37,6 +57,21 @@ class _Lease:
 
 def _is_bf16(dtype):
     return np.dtype(dtype).name == "bfloat16"
+
+
+def _dense(x):
+    """Whether x is C-contiguous (its strides those of its shape)."""
+    item = x.dtype.itemsize
+    return all(n == 1 or s == c * item for n, s, c in zip(x.shape, x.strides, _strides(x.shape)))
+
+
+def _view_strides(x, shape):
+    """Byte strides of x viewed with `shape` without a copy, or None where that is impossible."""
+    probe = np.lib.stride_tricks.as_strided(np.empty(1, x.dtype), x.shape, x.strides)
+    try:
+        return np.reshape(probe, shape, copy=False).strides
+    except ValueError:
+        return None
 
 
 def _strides(shape):
@@ -104,6 +139,32 @@ class CudaOps:
         self._params[key] = out
         return out
 
+    def params(self, tensors, names):
+        """2-D weights stacked into one bf16 matrix [sum of rows, in] on the device, built once."""
+        names = tuple(names)
+        key = (id(tensors), names)
+        out = self._params.get(key)
+        if out is not None:
+            return out
+        values = [tensors[n] for n in names]
+        sizes = [v.shape[0] for v in values]
+        if all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
+            host = [np.asarray(v) for v in values]
+            bits = [h.view(np.uint16) if _is_bf16(h.dtype) else to_bf16_bits(h) for h in host]
+            weight = cuda.to_device(np.ascontiguousarray(np.concatenate(bits, axis=0)))
+        else:
+            weight = cuda.device_array((sum(sizes), values[0].shape[1]), np.uint16)
+            row = 0
+            for name in names:
+                part = self.param(tensors, name) if isinstance(tensors[name], np.ndarray) else \
+                    cuda.as_cuda_array(tensors[name])
+                if part.dtype != np.uint16:
+                    raise TypeError(f"{name}: a stacked weight must be bf16 bits")
+                weight[row:row + part.shape[0]].copy_to_device(part)
+                row += part.shape[0]
+        out = self._params[key] = Stacked(weight, sizes)
+        return out
+
     def _table(self, table):
         """A stored 2-D table uploaded once (bf16 bits), cached by the identity of the host array."""
         key = ("table", id(table))
@@ -127,7 +188,14 @@ class CudaOps:
 
     # --- shapes -------------------------------------------------------------------------------
     def reshape(self, x, shape):
-        return x.reshape(tuple(shape))
+        """A view; strided arrays (column blocks of a product) too, where the new shape only splits axes."""
+        shape = tuple(int(n) for n in shape)
+        if _dense(x) or SIMULATED:
+            return x.reshape(shape)
+        strides = _view_strides(x, shape)
+        if strides is None:
+            raise ValueError(f"reshape {x.shape} -> {shape} of a strided array needs a copy")
+        return cuda.as_cuda_array(_View(x, shape, strides), sync=False)
 
     def _copy(self, src, src_offset, src_strides, dst, dst_offset, dst_strides, shape):
         layout.strided_copy(src.reshape(src.size), src_offset, src_strides, dst.reshape(dst.size), dst_offset,
@@ -152,11 +220,35 @@ class CudaOps:
             offset += x.shape[axis]
         return out
 
+    def _contiguous(self, x):
+        """x itself when it is C-contiguous, else a contiguous copy (one strided copy)."""
+        if _dense(x):
+            return x
+        out = self.new(x.shape, x.dtype)
+        flat, strides = self._flat(x)
+        self._copy(flat, 0, strides, out, 0, _strides(x.shape), x.shape)
+        return out
+
+    def _flat(self, x):
+        """A 1-D array over x's memory from its first element, and x's strides in elements."""
+        if _dense(x):
+            return x.reshape(x.size), _strides(x.shape)
+        if SIMULATED:        # no device addresses to view: a contiguous copy through the host
+            return cuda.to_device(np.ascontiguousarray(x.copy_to_host()).reshape(-1)), _strides(x.shape)
+        item = x.dtype.itemsize
+        strides = tuple(s // item for s in x.strides)
+        span = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides))
+        return cuda.as_cuda_array(_View(x, (span,), (item,)), sync=False), strides
+
     def slice(self, x, axis, start, stop):
         axis %= x.ndim
         shape = list(x.shape)
         shape[axis] = stop - start
         out = self.new(shape)
+        if not _dense(x):        # a column block of a product: one strided copy
+            flat, strides = self._flat(x)
+            self._copy(flat, start * strides[axis], strides, out, 0, _strides(shape), shape)
+            return out
         inner = int(np.prod(shape[axis + 1:]))
         rows = int(np.prod(shape[:axis]))
         # each outer index holds one contiguous run of (stop - start) * inner elements
@@ -215,20 +307,42 @@ class CudaOps:
     def softplus(self, x):
         return self._unary(x, "softplus")
 
+    def swiglu(self, gate, up, operand=False):
+        """silu(gate) * up; bf16 bits when `operand` (the next product's input)."""
+        out = self.new(gate.shape, np.uint16 if operand else np.float32)
+        elementwise.swiglu(self._rows(gate), self._rows(up), self._rows(out), stream=self.stream)
+        return out
+
     # --- linear algebra -----------------------------------------------------------------------
-    def linear(self, x, w, b=None):
-        """x @ w.T (+ b): x float32 [.., in] rounded to bf16, w bf16 bits [out, in], float32 out."""
+    def linear(self, x, w, b=None, residual=None):
+        """x @ w.T (+ b) (+ residual): x float32 [.., in] rounded to bf16 (or bf16 bits already), w bf16
+        bits [out, in], float32 out; the residual is added by the product's epilogue."""
         if w.dtype != np.uint16:
             raise TypeError("linear: the weight must be bf16 bits (a 2-D param)")
         last = x.shape[x.ndim - 1]
         rows = x.size // last
         xb = self._bf16(x).reshape(rows, last)
         out = self.new((rows, w.shape[0]))
-        blas().linear(xb, w, out, bias=b, stream=self.stream)
+        res = None if residual is None else residual.reshape(rows, w.shape[0])
+        blas().linear(xb, w, out, bias=b, residual=res, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
+    def linears(self, x, ws):
+        """One product with the stacked weight; each projection is a column block of it (a strided view)."""
+        y = self.linear(x, ws.weight)
+        lead = tuple(x.shape)[:x.ndim - 1]
+        y = y.reshape(int(np.prod(lead)), y.shape[y.ndim - 1])
+        out, start = [], 0
+        for n in ws.sizes:
+            out.append(self.reshape(y[:, start:start + n], lead + (n,)))
+            start += n
+        return out
+
     def _bf16(self, x):
-        """x rounded to bf16 bits; the last one is kept, as several products in a row read the same x."""
+        """x rounded to bf16 bits (x itself if it is bits already); the last one is kept, as several
+        products in a row read the same x."""
+        if x.dtype == np.uint16:
+            return x
         cached = self._last_cast
         if cached is not None and cached[0]() is x:
             return cached[1]
@@ -238,11 +352,15 @@ class CudaOps:
         return xb
 
     def _rows(self, x):
-        last = x.shape[x.ndim - 1]
-        return x.reshape(x.size // last, last)
+        """x as [rows, last axis]: a view where strides allow, else a contiguous copy."""
+        shape = (x.size // x.shape[x.ndim - 1], x.shape[x.ndim - 1])
+        if _dense(x) or SIMULATED or _view_strides(x, shape) is not None:
+            return self.reshape(x, shape)
+        return self._contiguous(x).reshape(shape)
 
-    def rms_norm(self, x, w, eps, offset=0.0):
-        out = self.new(x.shape)
+    def rms_norm(self, x, w, eps, offset=0.0, operand=False):
+        """bf16 bits when `operand` (the input of the next products), else float32."""
+        out = self.new(x.shape, np.uint16 if operand else np.float32)
         norms.rms_norm(self._rows(x), w, self._rows(out), eps, offset, stream=self.stream)
         return out
 
@@ -252,25 +370,33 @@ class CudaOps:
         return out
 
     def attention(self, q, k, v, scale, causal=False):
+        # the batched products read heads at fixed offsets: contiguous operands
+        q, k, v = self._contiguous(q), self._contiguous(k), self._contiguous(v)
         out = self.new((q.shape[0], q.shape[1], v.shape[2]))
         scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
         rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
         return out
 
     # --- Gated DeltaNet -----------------------------------------------------------------------
-    def causal_conv1d(self, x, w):
+    def causal_conv1d(self, x, w, activate=False):
         out = self.new(x.shape)
-        gdn.causal_conv1d(x, w, out, activate=False, stream=self.stream)
+        gdn.causal_conv1d(x, w, out, activate=activate, stream=self.stream)
         return out
 
-    def l2_norm(self, x, eps):
+    def l2_norm(self, x, eps, scale=1.0):
         out = self.new(x.shape)
-        norms.l2_norm(self._rows(x), self._rows(out), eps, 1.0, stream=self.stream)
+        norms.l2_norm(self._rows(x), self._rows(out), eps, scale, stream=self.stream)
         return out
 
-    def gated_rms_norm(self, x, z, w, eps):
-        out = self.new(x.shape)
-        norms.gated_rms_norm(self._rows(x), self._rows(z), w, self._rows(out), eps, stream=self.stream)
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        g, beta = self.new(a.shape), self.new(b.shape)
+        gdn.gdn_gates(a, b, a_log, dt_bias, g, beta, stream=self.stream)
+        return g, beta
+
+    def gated_rms_norm(self, x, z, w, eps, operand=False):
+        """x, z [L, H, d] (z may be a strided view); bf16 bits when `operand`."""
+        out = self.new(x.shape, np.uint16 if operand else np.float32)
+        norms.gated_rms_norm(x, z, w, out, eps, stream=self.stream)
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
@@ -313,8 +439,9 @@ class CudaEncoder:
         self.timings = {}
 
     def upload(self):
-        for name in expected_tensors(self.config):
-            self.ops.param(self.tensors, name)
+        """Weights to the device as the graph reads them (stacked where it reads them together): one
+        eager pass over a one-token prompt, which also compiles the kernels."""
+        self.model(np.zeros(1, dtype=np.int64))
         cuda.synchronize()
 
     def __call__(self, ids, on_layer=None):

@@ -79,16 +79,33 @@ class CoreOps:
         """torch.nn.functional.softplus with beta 1, threshold 20 (x itself above 20)."""
         return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
+    def swiglu(self, gate, up, operand=False):
+        """silu(gate) * up. `operand=True` says the result only feeds products: a GPU table may return
+        it as their bf16 operand; numpy returns the same array either way."""
+        return self.silu(gate) * up
+
     # --- linear algebra ----------------------------------------------------------------------
-    def linear(self, x, w, b=None):
-        """x @ w.T (+ b), w stored torch-style [out, in]."""
+    def params(self, tensors, names):
+        """Several weights read together by `linears` (a GPU table stacks them into one matrix)."""
+        return [self.param(tensors, name) for name in names]
+
+    def linear(self, x, w, b=None, residual=None):
+        """x @ w.T (+ b) (+ residual), w stored torch-style [out, in]."""
         y = x @ w.T
         if b is not None:
             y = y + b
+        if residual is not None:
+            y = y + residual
         return y
 
-    def rms_norm(self, x, w, eps, offset=0.0):
-        """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis (offset 1 = zero-centred)."""
+    def linears(self, x, ws):
+        """[x @ w.T for w in ws]: projections of one input (`ws` from `params`; one product on a GPU)."""
+        return [self.linear(x, w) for w in ws]
+
+    def rms_norm(self, x, w, eps, offset=0.0, operand=False):
+        """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis (offset 1 = zero-centred).
+
+        `operand=True`: the result only feeds products (see swiglu)."""
         r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.dtype.type(eps))
         return (x * r) * (self.dtype.type(offset) + w)
 

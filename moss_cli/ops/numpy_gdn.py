@@ -9,8 +9,8 @@ DELTA_CHUNK = 64
 class GdnOps:
     dtype: np.dtype
 
-    def causal_conv1d(self, x, w):
-        """Depthwise causal conv over time: x [L, C], w [C, K] -> [L, C], zero history, no activation.
+    def causal_conv1d(self, x, w, activate=False):
+        """Depthwise causal conv over time: x [L, C], w [C, K] -> [L, C], zero history, silu if `activate`.
 
         out[t, c] = sum_j w[c, j] * x[t - K + 1 + j, c]; tap K-1 multiplies the current token.
         """
@@ -19,14 +19,22 @@ class GdnOps:
         out = np.zeros_like(x)
         for j in range(K):
             out += padded[j:j + L] * w[:, j]
-        return out
+        return self.silu(out) if activate else out
 
-    def l2_norm(self, x, eps):
-        """x / sqrt(sum(x^2) + eps) over the last axis (eps inside the root of the sum, as FLA does)."""
-        return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + self.dtype.type(eps))
+    def l2_norm(self, x, eps, scale=1.0):
+        """x / sqrt(sum(x^2) + eps) over the last axis (eps inside the root of the sum, as FLA does), times scale."""
+        out = x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + self.dtype.type(eps))
+        return out if scale == 1.0 else out * self.dtype.type(scale)
 
-    def gated_rms_norm(self, x, z, w, eps):
-        """w * x / sqrt(mean(x^2) + eps) * silu(z) over the last axis: the GDN output norm (plain w, norm then gate)."""
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        """The delta rule's log-decay g = -exp(A_log) softplus(a + dt_bias) and write strength sigmoid(b), [L, H]."""
+        rate = self.scale(self.exp(a_log), -1.0)
+        return rate * self.softplus(a + dt_bias), self.sigmoid(b)
+
+    def gated_rms_norm(self, x, z, w, eps, operand=False):
+        """w * x / sqrt(mean(x^2) + eps) * silu(z) over the last axis: the GDN output norm (plain w, norm then gate).
+
+        `operand=True`: the result only feeds products (see swiglu)."""
         r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.dtype.type(eps))
         return (w * (x * r)) * (z / (1.0 + np.exp(-z)))
 
