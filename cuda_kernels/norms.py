@@ -69,16 +69,17 @@ def _make_l2_norm(control):
     @jit
     def l2_norm(x, out, eps, scale):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        t, h = row // x.shape[1], row % x.shape[1]
         sh = cuda.shared.array(MAXBLOCK, float32)
         vals = cuda.local.array(PER, float32)
-        d = x.shape[1]
+        d = x.shape[2]
         acc = float32(0.0)
         for j in range(PER):
             i = tid + j * nt
-            vals[j] = x[row, i] if i < d else float32(0.0)
+            vals[j] = x[t, h, i] if i < d else float32(0.0)
             acc += vals[j] * vals[j]
         for i in range(tid + PER * nt, d, nt):
-            acc += x[row, i] * x[row, i]
+            acc += x[t, h, i] * x[t, h, i]
         total = block_sum(sh, acc)
         if control:
             total = total / float32(d)
@@ -86,9 +87,9 @@ def _make_l2_norm(control):
         for j in range(PER):
             i = tid + j * nt
             if i < d:
-                out[row, i] = vals[j] * r
+                out[t, h, i] = vals[j] * r
         for i in range(tid + PER * nt, d, nt):
-            out[row, i] = x[row, i] * r
+            out[t, h, i] = x[t, h, i] * r
     return l2_norm
 
 
@@ -134,8 +135,10 @@ def rms_norm(x, w, out, eps, offset, stream=0, control=False):
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
-    """out = x / sqrt(sum(x^2) + eps) * scale per row of x [R, d] (eps inside the sqrt of the sum)."""
-    _l2[control][x.shape[0], _threads(x.shape[1]), stream](x, out, np.float32(eps), np.float32(scale))
+    """out = x / sqrt(sum(x^2) + eps) * scale over the last axis of x [L, H, d] (any strides: the heads of a
+    column block) (eps inside the sqrt of the sum)."""
+    _l2[control][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](x, out, np.float32(eps),
+                                                                       np.float32(scale))
 
 
 def gated_rms_norm(x, z, w, out, eps, stream=0, control=False):
@@ -189,10 +192,14 @@ def _ref_rms(inp):
 
 
 def _run_l2(inp, control):
-    (x,) = _device(inp, "x")
-    out = cuda.device_array(inp["x"].shape, np.float32)
+    """x as the heads [L, 2, d] of a column block of a wider matrix, as the GDN q/k come to it."""
+    rows, d = inp["x"].shape
+    wide = cuda.to_device(np.concatenate([inp["z"].reshape(rows // 2, 2 * d), inp["x"].reshape(rows // 2, 2 * d)],
+                                         axis=1))
+    x = wide[:, 2 * d:].reshape(rows // 2, 2, d)
+    out = cuda.device_array((rows // 2, 2, d), np.float32)
     l2_norm(x, out, inp["eps"], 0.25, control=control)
-    return out.copy_to_host()
+    return out.copy_to_host().reshape(rows, d)
 
 
 def _ref_l2(inp):

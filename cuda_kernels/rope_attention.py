@@ -1,7 +1,7 @@
 """Rotate-half RoPE on the first 2r dims of each head, and causal grouped-query attention.
 
-Attention is two float32 strided-batched cuBLAS products around a row softmax kernel: scores
-[Hq, L, S] = q k^T per head, softmax(scale * scores) with the causal mask, then p v.
+Attention is two float32 strided-batched cuBLAS products (TF32 tensor cores) around a row softmax
+kernel: scores [Hq, L, S] = q k^T per head, softmax(scale * scores) with the causal mask, then p v.
 """
 
 import math
@@ -10,9 +10,10 @@ import numpy as np
 from numba import cuda, float32
 
 from .core import BLOCK, EPS32, SIMULATED, WARP, Case, block_max, block_sum, gamma, jit
-from .gemm import OP_N, OP_T, blas
+from .gemm import EPS_TF32, OP_N, OP_T, blas
 
-MAXBLOCK = 256
+MAXBLOCK = 1024
+PER = 4            # scores per thread held in registers
 
 
 def _make_rope(control):
@@ -46,23 +47,36 @@ def _make_softmax(control):
     def softmax(s, scale, causal):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         sh = cuda.shared.array(MAXBLOCK, float32)
+        vals = cuda.local.array(PER, float32)     # the row's first PER * nt scores stay in registers
         n_q, n_k = s.shape[1], s.shape[2]
         h, t = row // n_q, row % n_q
         last = n_k - 1
         if causal:
             last = t + n_k - n_q - (1 if control else 0)
         m = -math.inf
-        for j in range(tid, last + 1, nt):
-            m = max(m, s[h, t, j] * scale)
+        for j in range(PER):
+            i = tid + j * nt
+            vals[j] = s[h, t, i] * scale if i <= last else -math.inf
+            m = max(m, vals[j])
+        for i in range(tid + PER * nt, last + 1, nt):
+            m = max(m, s[h, t, i] * scale)
         m = block_max(sh, m)
         acc = float32(0.0)
-        for j in range(tid, n_k, nt):
-            p = math.exp(s[h, t, j] * scale - m) if j <= last else float32(0.0)
-            s[h, t, j] = p
+        for j in range(PER):
+            i = tid + j * nt
+            vals[j] = math.exp(vals[j] - m) if i <= last else float32(0.0)
+            acc += vals[j]
+        for i in range(tid + PER * nt, n_k, nt):
+            p = math.exp(s[h, t, i] * scale - m) if i <= last else float32(0.0)
+            s[h, t, i] = p
             acc += p
         inv = float32(1.0) / block_sum(sh, acc)
-        for j in range(tid, last + 1, nt):
-            s[h, t, j] *= inv
+        for j in range(PER):
+            i = tid + j * nt
+            if i < n_k:
+                s[h, t, i] = vals[j] * inv
+        for i in range(tid + PER * nt, last + 1, nt):
+            s[h, t, i] *= inv
     return softmax
 
 
@@ -78,14 +92,17 @@ def rope(x, cos, sin, out, stream=0, control=False):
 
 def softmax(s, scale, causal, stream=0, control=False):
     """In place: s [B, L, S] <- softmax over S of scale * s; causal keeps keys j <= t + S - L."""
-    threads = BLOCK if s.shape[2] >= BLOCK else max(WARP, 1 << (s.shape[2] - 1).bit_length())
+    threads, most = WARP, BLOCK if SIMULATED else MAXBLOCK
+    while threads < most and threads * PER < s.shape[2]:
+        threads *= 2
     _softmax[control][s.shape[0] * s.shape[1], threads, stream](s, np.float32(scale), bool(causal))
 
 
 def attention(q, k, v, out, scale, causal, scores, stream=0, control=False):
     """out [L, Hq, dv] = softmax(scale q k^T) v per head; query head h reads kv head h // (Hq // Hk).
 
-    scores is a float32 workspace [Hq, L, S]. All float32: cuBLAS for the products.
+    scores is a float32 workspace [Hq, L, S]. float32 data; cuBLAS runs the products on TF32 tensor cores
+    (inputs rounded to 10 mantissa bits, float32 accumulate).
     """
     n_q, hq, d = q.shape
     n_k, hk, dv = v.shape
@@ -96,12 +113,13 @@ def attention(q, k, v, out, scale, causal, scores, stream=0, control=False):
         q_off, q_stride = (i * hk * d, d) if control else (i * d, group * d)
         h_off, h_stride = (i * hk, 1) if control else (i, group)
         b.gemm_batched_f32(OP_T, OP_N, n_k, n_q, d, k, 0, hk * d, d, q, q_off, hq * d, q_stride,
-                           scores, h_off * n_q * n_k, n_k, h_stride * n_q * n_k, hk, stream=stream)
+                           scores, h_off * n_q * n_k, n_k, h_stride * n_q * n_k, hk, stream=stream, tf32=True)
     softmax(scores, scale, causal, stream)
     for i in range(group):
         h_off, h_stride = (i * hk, 1) if control else (i, group)
         b.gemm_batched_f32(OP_N, OP_N, dv, n_q, n_k, v, 0, hk * dv, dv, scores, h_off * n_q * n_k, n_k,
-                           h_stride * n_q * n_k, out, h_off * dv, hq * dv, h_stride * dv, hk, stream=stream)
+                           h_stride * n_q * n_k, out, h_off * dv, hq * dv, h_stride * dv, hk, stream=stream,
+                           tf32=True)
 
 
 # --- float64 references ------------------------------------------------------------------------
@@ -206,11 +224,12 @@ def _ref_attention(inp):
     s = q.astype(np.float64).transpose(1, 0, 2) @ np.repeat(k.astype(np.float64), group, axis=1).transpose(1, 2, 0)
     p = softmax_reference(s, scale, True)
     ys = np.abs(s * scale)
-    # each score carries gamma_d of its terms, then exp's argument 2 roundings of |s| + |max|
-    e = gamma(q.shape[2]) * scale * (qa @ ka) + 2 * EPS32 * (ys + ys.max(axis=-1, keepdims=True))
+    # each score carries the TF32 rounding of q and k and gamma_d of its terms, then exp's argument
+    # 2 roundings of |s| + |max|; p and v are rounded to TF32 for the second product
+    e = (2 * EPS_TF32 + gamma(q.shape[2])) * scale * (qa @ ka) + 2 * EPS32 * (ys + ys.max(axis=-1, keepdims=True))
     n = k.shape[0]
     mix = p @ va
-    bound = (p * e) @ va + (e.max(axis=-1, keepdims=True) + 3 * gamma(n) + 6 * EPS32) * mix
+    bound = (p * e) @ va + (e.max(axis=-1, keepdims=True) + 2 * EPS_TF32 + 3 * gamma(n) + 6 * EPS32) * mix
     return ref, bound.transpose(1, 0, 2) + 1e-30
 
 

@@ -95,6 +95,10 @@ check("l2_norm scaled", gpu.l2_norm(d(x3), 1e-6, scale=0.3), ref.l2_norm(x3, 1e-
 zw = gpu.reshape(d(np.concatenate([x2, z3.reshape(3, 32)], axis=1))[:, 24:], (3, 4, 8))
 check("gated_rms_norm strided z operand", gpu.gated_rms_norm(d(x3), zw, d(w8), 1e-6, operand=True),
       ref.gated_rms_norm(x3, z3, w8, 1e-6), 2 ** -8)
+qs, ks = gpu.split(d(x2), (8, 16))
+check("split", ks, ref.split(x2, (8, 16))[1])
+check("l2_norm of split heads", gpu.l2_norm(gpu.reshape(ks, (3, 2, 8)), 1e-6, scale=0.5),
+      ref.l2_norm(x2[:, 8:].reshape(3, 2, 8), 1e-6, scale=0.5), 1e-5)
 ab = r(3, 11) * 8
 a_log, dt_bias = np.log(np.abs(r(4)) + 1), r(4)
 got = gpu.gdn_gates(d(ab)[:, 1:5], d(ab)[:, 5:9], d(a_log), d(dt_bias))

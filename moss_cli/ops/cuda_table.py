@@ -256,6 +256,16 @@ class CudaOps:
                          shape[axis] * inner, rows, shape[axis] * inner, stream=self.stream)
         return out
 
+    def split(self, x, sizes):
+        """Consecutive blocks of the last axis, as strided views (no copy)."""
+        lead = tuple(x.shape)[:x.ndim - 1]
+        rows = self._rows(x)
+        out, start = [], 0
+        for n in sizes:
+            out.append(self.reshape(rows[:, start:start + n], lead + (n,)))
+            start += n
+        return out
+
     def embedding(self, table, ids):
         """Rows of a bf16 table (a stored tensor or a param); ids are host ints, copied to a device buffer
         the graph keeps reading."""
@@ -329,14 +339,7 @@ class CudaOps:
 
     def linears(self, x, ws):
         """One product with the stacked weight; each projection is a column block of it (a strided view)."""
-        y = self.linear(x, ws.weight)
-        lead = tuple(x.shape)[:x.ndim - 1]
-        y = y.reshape(int(np.prod(lead)), y.shape[y.ndim - 1])
-        out, start = [], 0
-        for n in ws.sizes:
-            out.append(self.reshape(y[:, start:start + n], lead + (n,)))
-            start += n
-        return out
+        return self.split(self.linear(x, ws.weight), ws.sizes)
 
     def _bf16(self, x):
         """x rounded to bf16 bits (x itself if it is bits already); the last one is kept, as several
@@ -384,8 +387,10 @@ class CudaOps:
         return out
 
     def l2_norm(self, x, eps, scale=1.0):
+        """x [.., H, d] of any strides (heads of a column block) or [R, d]."""
         out = self.new(x.shape)
-        norms.l2_norm(self._rows(x), self._rows(out), eps, scale, stream=self.stream)
+        x3 = x if x.ndim == 3 else self.reshape(self._rows(x), (x.size // x.shape[x.ndim - 1], 1, x.shape[x.ndim - 1]))
+        norms.l2_norm(x3, out.reshape(x3.shape), eps, scale, stream=self.stream)
         return out
 
     def gdn_gates(self, a, b, a_log, dt_bias):

@@ -47,6 +47,14 @@ class CoreOps:
         index[axis] = slice(start, stop)
         return x[tuple(index)]
 
+    def split(self, x, sizes):
+        """Consecutive blocks of the last axis with these sizes (views)."""
+        out, start = [], 0
+        for n in sizes:
+            out.append(x[..., start:start + n])
+            start += n
+        return out
+
     def embedding(self, table, ids):
         return np.ascontiguousarray(np.asarray(table)[np.asarray(ids, dtype=np.int64)].astype(self.dtype))
 
