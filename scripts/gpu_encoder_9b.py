@@ -190,6 +190,7 @@ def main():
                     "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
+    print("ours:", json.dumps(speed), flush=True)
     for n, ids in prompts.items():
         try:
             result[f"profile_{n}"] = profile(enc, ids)
