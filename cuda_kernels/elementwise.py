@@ -144,6 +144,34 @@ def swiglu(gate, up, out, stream=0, control=False):
     _swiglu[control, out.dtype == np.uint16][grid, BLOCK, stream](gate, up, out)
 
 
+# --- sigmoid gate ----------------------------------------------------------------------------
+def _make_sigmoid_gate(control, bits):
+    @jit
+    def sigmoid_gate(x, g, out):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        if i >= out.shape[2]:
+            return
+        for t in range(cuda.blockIdx.z, out.shape[0], cuda.gridDim.z):
+            y = x[t, h, i] * (silu(g[t, h, i]) if control else sigmoid(g[t, h, i]))
+            if bits:
+                out[t, h, i] = narrow(y)
+            else:
+                out[t, h, i] = y
+    return sigmoid_gate
+
+
+_sigmoid_gate = {(c, b): _make_sigmoid_gate(c, b) for c in (False, True) for b in (False, True)}
+
+
+def sigmoid_gate(x, g, out, stream=0, control=False):
+    """out = x * sigmoid(g) over [L, H, d] arrays of any strides (g may be heads of a column block);
+    out float32, or uint16 for bf16 bits."""
+    n, heads, d = out.shape
+    grid = ((d + BLOCK - 1) // BLOCK, heads, max(1, min(n, 2 if SIMULATED else 65535)))
+    _sigmoid_gate[control, out.dtype == np.uint16][grid, BLOCK, stream](x, g, out)
+
+
 # --- contract --------------------------------------------------------------------------------
 def _sizes(size):
     return (4, 24) if size == "tiny" else (1000, 4096)
@@ -232,6 +260,25 @@ def _ref_swiglu(inp):
     return ref, bf16_bound(10 * EPS32) * np.abs(ref) + 1e-30
 
 
+def _run_sigmoid_gate(inp, control):
+    """g as the second half of each head of a [R, 2, 2 hd] array (query | gate per head, as q_proj leaves
+    them)."""
+    rows, n = inp["a"].shape
+    hd = n // 2
+    both = np.concatenate([inp["a"].reshape(rows, 2, hd), inp["b"].reshape(rows, 2, hd)], axis=2)
+    g = cuda.to_device(both)[:, :, hd:]
+    x = cuda.to_device(inp["a"].reshape(rows, 2, hd))
+    out = cuda.device_array(x.shape, np.uint16)
+    sigmoid_gate(x, g, out, control=control)
+    return from_bf16_bits(out.copy_to_host().reshape(rows, n))
+
+
+def _ref_sigmoid_gate(inp):
+    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
+    ref = a / (1 + np.exp(-b))
+    return ref, bf16_bound(8 * EPS32) * np.abs(ref) + 1e-30
+
+
 CASES = [
     Case("cast_bf16", _make_vec, _run_cast, _ref_cast,
          notes="control: truncates instead of rounding to nearest even"),
@@ -240,4 +287,6 @@ CASES = [
          notes="control: broadcasts the row operand down columns instead of along rows"),
     Case("swiglu_bf16_out", _make_binary_inputs, _run_swiglu, _ref_swiglu,
          notes="control: silu of up times gate (the operands swapped)"),
+    Case("sigmoid_gate_bf16_out", _make_binary_inputs, _run_sigmoid_gate, _ref_sigmoid_gate,
+         notes="control: silu(g) instead of sigmoid(g)"),
 ]

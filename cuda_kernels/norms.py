@@ -41,32 +41,33 @@ def _gate(g, control):
 
 
 def _make_rms_norm(control, bits):
-    @jit
+    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
     def rms_norm(x, w, out, eps, offset):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+        t, h = row // x.shape[1], row % x.shape[1]
         sh = cuda.shared.array(MAXBLOCK, float32)
         vals = cuda.local.array(PER, float32)
-        d = x.shape[1]
+        d = x.shape[2]
         acc = float32(0.0)
         for j in range(PER):
             i = tid + j * nt
-            vals[j] = x[row, i] if i < d else float32(0.0)
+            vals[j] = x[t, h, i] if i < d else float32(0.0)
             acc += vals[j] * vals[j]
         for i in range(tid + PER * nt, d, nt):
-            acc += x[row, i] * x[row, i]
+            acc += x[t, h, i] * x[t, h, i]
         r = float32(1.0) / math.sqrt(block_sum(sh, acc) / float32(d) + eps)
         # the first PER elements from registers (a constant trip count, unrolled), any rest read again
         for j in range(PER):
             i = tid + j * nt
             if i < d:
-                _store(out, row, i, vals[j] * r * (w[i] if control else offset + w[i]), bits)
+                _store(out[t], h, i, vals[j] * r * (w[i] if control else offset + w[i]), bits)
         for i in range(tid + PER * nt, d, nt):
-            _store(out, row, i, x[row, i] * r * (w[i] if control else offset + w[i]), bits)
+            _store(out[t], h, i, x[t, h, i] * r * (w[i] if control else offset + w[i]), bits)
     return rms_norm
 
 
 def _make_l2_norm(control):
-    @jit
+    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
     def l2_norm(x, out, eps, scale):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         t, h = row // x.shape[1], row % x.shape[1]
@@ -94,7 +95,7 @@ def _make_l2_norm(control):
 
 
 def _make_gated_rms_norm(control, bits):
-    @jit
+    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
     def gated_rms_norm(x, z, w, out, eps):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         t, h = row // x.shape[1], row % x.shape[1]
@@ -128,10 +129,10 @@ def _bits(out):
 
 
 def rms_norm(x, w, out, eps, offset, stream=0, control=False):
-    """out = x / sqrt(mean(x^2) + eps) * (offset + w) per row of x [R, D]; w float32 [D]; out float32,
-    or uint16 for bf16 bits (rounded to nearest even)."""
-    _rms[control, _bits(out)][x.shape[0], _threads(x.shape[1]), stream](x, w, out, np.float32(eps),
-                                                                       np.float32(offset))
+    """out = x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis of x [L, H, d] (any strides: the
+    heads of a column block); w float32 [d]; out float32, or uint16 for bf16 bits (round to nearest even)."""
+    _rms[control, _bits(out)][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](
+        x, w, out, np.float32(eps), np.float32(offset))
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
@@ -178,28 +179,42 @@ def _device(inp, *names):
     return [cuda.to_device(inp[n]) for n in names]
 
 
-def _run_rms(inp, control):
-    x, w = _device(inp, "x", "w")
-    out = cuda.device_array(inp["x"].shape, np.float32)
-    rms_norm(x, w, out, inp["eps"], 1.0, control=control)
-    return out.copy_to_host()
+def _heads(inp, name):
+    """inp[name] [R, d] as the heads [R / 2, 2, d] of a column block of a wider device matrix."""
+    rows, d = inp[name].shape
+    other = "z" if name == "x" else "x"
+    wide = cuda.to_device(np.concatenate([inp[other].reshape(rows // 2, 2 * d), inp[name].reshape(rows // 2, 2 * d)],
+                                         axis=1))
+    return wide[:, 2 * d:].reshape(rows // 2, 2, d)
 
 
-def _ref_rms(inp):
+def _run_rms(inp, control, bits=False):
+    """x dense [R, 1, d] (the hidden rows) and as strided heads (q/k of the stacked product)."""
+    rows, d = inp["x"].shape
+    (w,) = _device(inp, "w")
+    outs = []
+    for x in (cuda.to_device(inp["x"]).reshape(rows, 1, d), _heads(inp, "x")):
+        out = cuda.device_array(x.shape, np.uint16 if bits else np.float32)
+        rms_norm(x, w, out, inp["eps"], 1.0, control=control)
+        host = out.copy_to_host().reshape(rows, d)
+        outs.append(from_bf16_bits(host) if bits else host)
+    return np.concatenate(outs)
+
+
+def _ref_rms(inp, bits=False):
     ref = rms_norm_reference(inp["x"], inp["w"], inp["eps"], 1.0)
     # the sum of squares carries gamma_D relative error, the 1/sqrt half of it; a few more roundings
-    return ref, (0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32) * np.abs(ref) + 1e-30
+    rel = 0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32
+    bound = (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+    return np.concatenate([ref, ref]), np.concatenate([bound, bound])
 
 
 def _run_l2(inp, control):
-    """x as the heads [L, 2, d] of a column block of a wider matrix, as the GDN q/k come to it."""
-    rows, d = inp["x"].shape
-    wide = cuda.to_device(np.concatenate([inp["z"].reshape(rows // 2, 2 * d), inp["x"].reshape(rows // 2, 2 * d)],
-                                         axis=1))
-    x = wide[:, 2 * d:].reshape(rows // 2, 2, d)
-    out = cuda.device_array((rows // 2, 2, d), np.float32)
+    """x as the heads of a column block of a wider matrix, as the GDN q/k come to it."""
+    x = _heads(inp, "x")
+    out = cuda.device_array(x.shape, np.float32)
     l2_norm(x, out, inp["eps"], 0.25, control=control)
-    return out.copy_to_host().reshape(rows, d)
+    return out.copy_to_host().reshape(inp["x"].shape)
 
 
 def _ref_l2(inp):
@@ -227,22 +242,10 @@ def _ref_gated(inp, bits=False):
     return ref, (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
 
 
-def _run_rms_bits(inp, control):
-    x, w = _device(inp, "x", "w")
-    out = cuda.device_array(inp["x"].shape, np.uint16)
-    rms_norm(x, w, out, inp["eps"], 1.0, control=control)
-    return from_bf16_bits(out.copy_to_host())
-
-
-def _ref_rms_bits(inp):
-    ref = rms_norm_reference(inp["x"], inp["w"], inp["eps"], 1.0)
-    return ref, bf16_bound(0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32) * np.abs(ref) + 1e-30
-
-
 CASES = [
     Case("rms_norm", _make, _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
     Case("l2_norm", _make, _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
-    Case("rms_norm_bf16_out", _make, _run_rms_bits, _ref_rms_bits,
+    Case("rms_norm_bf16_out", _make, lambda i, c: _run_rms(i, c, True), lambda i: _ref_rms(i, True),
          notes="control: plain w where zero-centred needs 1 + w"),
     Case("gated_rms_norm", _make, _run_gated, _ref_gated, notes="control: sigmoid(z) gate instead of silu(z)"),
     Case("gated_rms_norm_bf16_out", _make, lambda i, c: _run_gated(i, c, True), lambda i: _ref_gated(i, True),

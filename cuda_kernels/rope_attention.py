@@ -43,7 +43,7 @@ def _make_rope(control):
 
 
 def _make_softmax(control):
-    @jit
+    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
     def softmax(s, scale, causal):
         row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         sh = cuda.shared.array(MAXBLOCK, float32)
@@ -107,17 +107,21 @@ def attention(q, k, v, out, scale, causal, scores, stream=0, control=False):
     n_q, hq, d = q.shape
     n_k, hk, dv = v.shape
     group = hq // hk
+    # k and v may be column blocks of a wider product (row and head strides in elements; unit last stride)
+    (k_row, k_head, k_one), (v_row, v_head, v_one) = ([s // 4 for s in a.strides] for a in (k, v))
+    if k_one != 1 or v_one != 1 or not q.is_c_contiguous():
+        raise ValueError("attention: q must be contiguous, k and v need a unit stride along head_dim")
     b = blas()
     for i in range(group):
         # query head h = g * group + i for the batch over kv heads g (control: h = i * hk + g)
         q_off, q_stride = (i * hk * d, d) if control else (i * d, group * d)
         h_off, h_stride = (i * hk, 1) if control else (i, group)
-        b.gemm_batched_f32(OP_T, OP_N, n_k, n_q, d, k, 0, hk * d, d, q, q_off, hq * d, q_stride,
+        b.gemm_batched_f32(OP_T, OP_N, n_k, n_q, d, k, 0, k_row, k_head, q, q_off, hq * d, q_stride,
                            scores, h_off * n_q * n_k, n_k, h_stride * n_q * n_k, hk, stream=stream, tf32=True)
     softmax(scores, scale, causal, stream)
     for i in range(group):
         h_off, h_stride = (i * hk, 1) if control else (i, group)
-        b.gemm_batched_f32(OP_N, OP_N, dv, n_q, n_k, v, 0, hk * dv, dv, scores, h_off * n_q * n_k, n_k,
+        b.gemm_batched_f32(OP_N, OP_N, dv, n_q, n_k, v, 0, v_row, v_head, scores, h_off * n_q * n_k, n_k,
                            h_stride * n_q * n_k, out, h_off * dv, hq * dv, h_stride * dv, hk, stream=stream,
                            tf32=True)
 
@@ -206,12 +210,25 @@ def _make_attention_inputs(rng, size):
 
 
 def _run_attention(inp, control):
-    q, k, v = (cuda.to_device(inp[n]) for n in ("q", "k", "v"))
+    """k and v as column blocks of one [L, Hk d + Hk dv] matrix, as the stacked q|k|v product leaves them."""
+    q = cuda.to_device(inp["q"])
+    n, hk, d = inp["k"].shape
+    kv = cuda.to_device(np.concatenate([inp["k"].reshape(n, -1), inp["v"].reshape(n, -1)], axis=1))
+    k = _split_heads(kv, 0, hk, d)
+    v = _split_heads(kv, hk * d, hk, inp["v"].shape[2])
     out = cuda.device_array(inp["q"].shape[:2] + inp["v"].shape[2:], np.float32)
     scores = cuda.device_array((q.shape[1], q.shape[0], k.shape[0]), np.float32)
     attention(q, k, v, out, inp["scale"], True, scores, control=control)
     cuda.synchronize()
     return out.copy_to_host()
+
+
+def _split_heads(rows, start, heads, d):
+    """Columns [start, start + heads d) of a device matrix as a strided [L, heads, d] view."""
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    block = rows[:, start:start + heads * d]
+    return DeviceNDArray((rows.shape[0], heads, d), (block.strides[0], d * 4, 4), np.float32,
+                                          gpu_data=block.gpu_data)
 
 
 def _ref_attention(inp):

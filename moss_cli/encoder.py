@@ -164,15 +164,13 @@ class Qwen35Encoder:
         L, hd, nq, nkv = h.shape[0], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
         eps = c["rms_norm_eps"]
         both, k, v = ops.linears(h, self.ws(p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"))
-        both = ops.reshape(both, (L, nq, 2 * hd))
-        q = ops.slice(both, 2, 0, hd)
-        gate = ops.reshape(ops.slice(both, 2, hd, 2 * hd), (L, nq * hd))
+        q, gate = ops.split(ops.reshape(both, (L, nq, 2 * hd)), (hd, hd))
         k = ops.reshape(k, (L, nkv, hd))
         v = ops.reshape(v, (L, nkv, hd))
         q = ops.rope(ops.rms_norm(q, self.w(p + "q_norm.weight"), eps, offset=1.0), cos, sin)
         k = ops.rope(ops.rms_norm(k, self.w(p + "k_norm.weight"), eps, offset=1.0), cos, sin)
-        o = ops.reshape(ops.attention(q, k, v, hd ** -0.5, causal=True), (L, nq * hd))
-        return ops.linear(ops.mul(o, ops.sigmoid(gate)), self.w(p + "o_proj.weight"), residual=x)
+        o = ops.sigmoid_gate(ops.attention(q, k, v, hd ** -0.5, causal=True), gate, operand=True)
+        return ops.linear(ops.reshape(o, (L, nq * hd)), self.w(p + "o_proj.weight"), residual=x)
 
     def delta_net(self, p, h, x):
         """Gated DeltaNet: conv over [q | k | v] channels, L2-normed q/k, decay g and write strength beta."""

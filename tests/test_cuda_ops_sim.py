@@ -99,6 +99,10 @@ qs, ks = gpu.split(d(x2), (8, 16))
 check("split", ks, ref.split(x2, (8, 16))[1])
 check("l2_norm of split heads", gpu.l2_norm(gpu.reshape(ks, (3, 2, 8)), 1e-6, scale=0.5),
       ref.l2_norm(x2[:, 8:].reshape(3, 2, 8), 1e-6, scale=0.5), 1e-5)
+q4, g4 = gpu.split(d(np.concatenate([x3, z3], axis=2)), (8, 8))     # [query | gate] per head
+check("rms_norm of split heads", gpu.rms_norm(q4, d(w8), 1e-6, offset=1.0), ref.rms_norm(x3, w8, 1e-6, offset=1.0),
+      1e-5)
+check("sigmoid_gate operand", gpu.sigmoid_gate(d(x3), g4, operand=True), ref.sigmoid_gate(x3, z3), 2 ** -8)
 ab = r(3, 11) * 8
 a_log, dt_bias = np.log(np.abs(r(4)) + 1), r(4)
 got = gpu.gdn_gates(d(ab)[:, 1:5], d(ab)[:, 5:9], d(a_log), d(dt_bias))

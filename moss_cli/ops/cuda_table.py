@@ -258,11 +258,9 @@ class CudaOps:
 
     def split(self, x, sizes):
         """Consecutive blocks of the last axis, as strided views (no copy)."""
-        lead = tuple(x.shape)[:x.ndim - 1]
-        rows = self._rows(x)
         out, start = [], 0
         for n in sizes:
-            out.append(self.reshape(rows[:, start:start + n], lead + (n,)))
+            out.append(x[(slice(None),) * (x.ndim - 1) + (slice(start, start + n),)])
             start += n
         return out
 
@@ -317,6 +315,12 @@ class CudaOps:
     def softplus(self, x):
         return self._unary(x, "softplus")
 
+    def sigmoid_gate(self, x, g, operand=False):
+        """x * sigmoid(g), x and g [L, H, d] of any strides; bf16 bits when `operand`."""
+        out = self.new(x.shape, np.uint16 if operand else np.float32)
+        elementwise.sigmoid_gate(x, g, out, stream=self.stream)
+        return out
+
     def swiglu(self, gate, up, operand=False):
         """silu(gate) * up; bf16 bits when `operand` (the next product's input)."""
         out = self.new(gate.shape, np.uint16 if operand else np.float32)
@@ -361,10 +365,19 @@ class CudaOps:
             return self.reshape(x, shape)
         return self._contiguous(x).reshape(shape)
 
+    def _heads(self, x):
+        """x as [L, H, d]: itself when 3-D (any strides), else its rows as [R, 1, d]."""
+        if x.ndim == 3:
+            return x
+        rows = self._rows(x)
+        return self.reshape(rows, (rows.shape[0], 1, rows.shape[1]))
+
     def rms_norm(self, x, w, eps, offset=0.0, operand=False):
-        """bf16 bits when `operand` (the input of the next products), else float32."""
+        """Over the last axis of x (3-D: any strides); bf16 bits when `operand` (the input of the next
+        products), else float32."""
         out = self.new(x.shape, np.uint16 if operand else np.float32)
-        norms.rms_norm(self._rows(x), w, self._rows(out), eps, offset, stream=self.stream)
+        x3 = self._heads(x)
+        norms.rms_norm(x3, w, out.reshape(x3.shape), eps, offset, stream=self.stream)
         return out
 
     def rope(self, x, cos, sin):
@@ -373,8 +386,8 @@ class CudaOps:
         return out
 
     def attention(self, q, k, v, scale, causal=False):
-        # the batched products read heads at fixed offsets: contiguous operands
-        q, k, v = self._contiguous(q), self._contiguous(k), self._contiguous(v)
+        # the batched products take k and v with their row stride (column blocks of a product); q contiguous
+        q = self._contiguous(q)
         out = self.new((q.shape[0], q.shape[1], v.shape[2]))
         scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
         rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
@@ -389,7 +402,7 @@ class CudaOps:
     def l2_norm(self, x, eps, scale=1.0):
         """x [.., H, d] of any strides (heads of a column block) or [R, d]."""
         out = self.new(x.shape)
-        x3 = x if x.ndim == 3 else self.reshape(self._rows(x), (x.size // x.shape[x.ndim - 1], 1, x.shape[x.ndim - 1]))
+        x3 = self._heads(x)
         norms.l2_norm(x3, out.reshape(x3.shape), eps, scale, stream=self.stream)
         return out
 

@@ -87,6 +87,10 @@ class CoreOps:
         """torch.nn.functional.softplus with beta 1, threshold 20 (x itself above 20)."""
         return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
+    def sigmoid_gate(self, x, g, operand=False):
+        """x * sigmoid(g) (the attention output gate); `operand` as in swiglu."""
+        return x * self.sigmoid(g)
+
     def swiglu(self, gate, up, operand=False):
         """silu(gate) * up. `operand=True` says the result only feeds products: a GPU table may return
         it as their bf16 operand; numpy returns the same array either way."""
