@@ -120,6 +120,18 @@ def block_max(sh, value):
     return total
 
 
+def heads_view(rows, start, heads, d):
+    """Columns [start, start + heads d) of a device matrix as a strided [L, heads, d] view, as the graph
+    hands a column block of a stacked product to a kernel (numba's reshape refuses strided arrays)."""
+    block = rows[:, start:start + heads * d]
+    if SIMULATED:
+        return block.reshape(rows.shape[0], heads, d)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    item = block.dtype.itemsize
+    return DeviceNDArray((rows.shape[0], heads, d), (block.strides[0], d * item, item), block.dtype,
+                         gpu_data=block.gpu_data)
+
+
 def bf16_bound(bound):
     """The bound of a float32 result within `bound` (relative) once rounded to bf16 bits: the rounding
     adds half a bf16 ulp of the float32 value, itself within (1 + bound) of the exact one."""

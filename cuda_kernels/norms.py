@@ -9,7 +9,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, SIMULATED, WARP, Case, bf16_bound, block_sum, from_bf16_bits, gamma, jit, narrow
+from .core import (BLOCK, EPS32, SIMULATED, WARP, Case, bf16_bound, block_sum, from_bf16_bits, gamma, heads_view, jit,
+                   narrow)
 
 MAXBLOCK = 1024
 PER = 4          # row elements per thread held in registers (longer rows read the rest twice)
@@ -185,7 +186,7 @@ def _heads(inp, name):
     other = "z" if name == "x" else "x"
     wide = cuda.to_device(np.concatenate([inp[other].reshape(rows // 2, 2 * d), inp[name].reshape(rows // 2, 2 * d)],
                                          axis=1))
-    return wide[:, 2 * d:].reshape(rows // 2, 2, d)
+    return heads_view(wide, 2 * d, 2, d)
 
 
 def _run_rms(inp, control, bits=False):
@@ -228,7 +229,7 @@ def _run_gated(inp, control, bits=False):
     x, w = _device(inp, "x", "w")
     pairs = [inp[n].reshape(rows // 2, 2 * d) for n in ("x", "z", "x")]
     wide = cuda.to_device(np.concatenate(pairs, axis=1))
-    z = wide[:, 2 * d:4 * d].reshape(rows // 2, 2, d)
+    z = heads_view(wide, 2 * d, 2, d)
     out = cuda.device_array((rows // 2, 2, d), np.uint16 if bits else np.float32)
     gated_rms_norm(x.reshape(rows // 2, 2, d), z, w, out, inp["eps"], control=control)
     host = out.copy_to_host().reshape(rows, d)

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, SIMULATED, WARP, Case, block_max, block_sum, gamma, jit
+from .core import BLOCK, EPS32, SIMULATED, WARP, Case, block_max, block_sum, gamma, heads_view, jit
 from .gemm import EPS_TF32, OP_N, OP_T, blas
 
 MAXBLOCK = 1024
@@ -214,21 +214,13 @@ def _run_attention(inp, control):
     q = cuda.to_device(inp["q"])
     n, hk, d = inp["k"].shape
     kv = cuda.to_device(np.concatenate([inp["k"].reshape(n, -1), inp["v"].reshape(n, -1)], axis=1))
-    k = _split_heads(kv, 0, hk, d)
-    v = _split_heads(kv, hk * d, hk, inp["v"].shape[2])
+    k = heads_view(kv, 0, hk, d)
+    v = heads_view(kv, hk * d, hk, inp["v"].shape[2])
     out = cuda.device_array(inp["q"].shape[:2] + inp["v"].shape[2:], np.float32)
     scores = cuda.device_array((q.shape[1], q.shape[0], k.shape[0]), np.float32)
     attention(q, k, v, out, inp["scale"], True, scores, control=control)
     cuda.synchronize()
     return out.copy_to_host()
-
-
-def _split_heads(rows, start, heads, d):
-    """Columns [start, start + heads d) of a device matrix as a strided [L, heads, d] view."""
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    block = rows[:, start:start + heads * d]
-    return DeviceNDArray((rows.shape[0], heads, d), (block.strides[0], d * 4, 4), np.float32,
-                                          gpu_data=block.gpu_data)
 
 
 def _ref_attention(inp):
