@@ -6,7 +6,7 @@ why its PNG equals the chained commands' PNG.
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np

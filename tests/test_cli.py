@@ -1,6 +1,5 @@
 """The commands as a user runs them: bytes, pipes, determinism and one-line errors (pipeline.md)."""
 
-import hashlib
 import json
 import os
 import time

@@ -7,20 +7,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from moss_cli import schedule
 from moss_cli.errors import UsageError
+from reference.schedule import sigmas as reference_sigmas
 
 
 def torch_scheduler(steps, shift=5.0, training_shift=1.0, total=1000):
-    """MOSSImageScheduler.set_timesteps as the spec states it, in torch, handed to the diffusers base class."""
-    def grid(count, s):
-        u = torch.linspace(1, s / (total + s - 1), count, dtype=torch.float32)
-        return s * u / (1 + (s - 1) * u)
-
-    sig = grid(steps, shift)
-    train = grid(total, training_shift).flip(0)
-    above = torch.searchsorted(train, sig).clamp(max=total - 1)
-    below = (above - 1).clamp(min=0)
-    nearer_below = (sig - train[below]).abs() <= (train[above] - sig).abs()
-    snapped = torch.unique_consecutive(torch.where(nearer_below, train[below], train[above]))
+    """MOSSImageScheduler.set_timesteps as the spec states it (scripts/reference/schedule.py, torch),
+    handed to the diffusers base class."""
+    snapped = reference_sigmas(steps, shift, training_shift, total)[:-1]
     sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=total, shift=1.0)
     sched.set_timesteps(sigmas=snapped.tolist())
     return sched
