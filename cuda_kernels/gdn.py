@@ -252,13 +252,19 @@ def _run_delta(inp, control):
     return out.copy_to_host()
 
 
-def _ref_delta(inp):
+def delta_reference_terms(inp):
+    """The float64 recurrence and the size of each output's terms: sum |S q| plus what a write of |v|
+    can put through q."""
     ref, mag = gated_delta_rule_reference(*(inp[n] for n in ("q", "k", "v", "g", "beta")))
+    return ref, mag + np.abs(inp["v"]).max() * np.abs(inp["q"]).sum(-1).max()
+
+
+def _ref_delta(inp):
+    ref, terms = delta_reference_terms(inp)
     n, dk = inp["q"].shape[0], inp["q"].shape[2]
     # each step rounds every state entry a few times (terms up to |S| and |v|) and the step map
     # e^g (I - beta k k^T) does not expand, so the error grows at most linearly: gamma_(t + dk), x4 slack
     steps = np.arange(1, n + 1)[:, None, None] + dk
-    terms = mag + np.abs(inp["v"]).max() * np.abs(inp["q"]).sum(-1).max()
     return ref, 4 * gamma(steps) * terms + 1e-30
 
 

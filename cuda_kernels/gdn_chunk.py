@@ -1,13 +1,15 @@
-"""The gated delta rule in chunks (encoder.md 3.2): the same function as gdn.gated_delta_rule, with the
-serial dependence cut from one per token to one per CHUNK tokens. Correct (its contract passes at real
-shapes) but, as written here in float32 SIMT, slower than the token recurrence on the H200, so the op
-table does not use it yet (BENCHMARKS.md).
+"""The gated delta rule in chunks of CHUNK tokens (encoder.md 3.2), its products on tensor cores.
 
-prep, parallel over (value head, chunk): G = cumsum(g) in the chunk, D_ij = e^(G_i - G_j) (j <= i),
-  A = strictly_lower(beta K K^T * D), P = lower(Q K^T * D), and by forward substitution on (I + A)
-  U = (I + A)^-1 beta V, W = (I + A)^-1 beta e^G K.
-scan, sequential over chunks with the state columns in registers (as in gdn):
-  V' = U - W S;  O = e^G Q S + P V';  S <- e^(G_n) S + (e^(G_n - G) K)^T V'.
+The same function as gdn.gated_delta_rule; the serial dependence is cut from one step per token to one
+small product per chunk. Per value head and chunk, with G = cumsum(g) in the chunk and D_il = e^(G_i - G_l):
+  A = strictly_lower(beta K K^T * D),  T = (I + A)^-1,  P = lower(Q K^T * D),
+  [U | W] = T [beta V | beta e^G K],   K~ = e^(G_n - G) K,
+  M = e^(G_n) I - K~^T W,  B = K~^T U  (the chunk's map of its entry state S: S' = M S + B),
+then, serially over chunks, S_(c+1) = M_c S_c + B_c, and in parallel again
+  D = U - W S_c,  O = e^G Q S_c + P D.
+Three small kernels (prep, solve, scatter) and float32 strided-batched cuBLAS products, TF32 tensor
+cores by default. Buffers hold N + 1 chunk slots per head (the last one zero), so that every batched
+product walks its operands with one stride.
 """
 
 import math
@@ -15,201 +17,280 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import SIMULATED, Case, jit
-from .gdn import PARTS, THREADS, _make_delta_inputs, _ref_delta
+from .core import SIMULATED, Case, gamma, jit
+from .gdn import _make_delta_inputs, delta_reference_terms
+from .gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, EPS_TF32, OP_N, OP_T, R_32F, blas, pointer, stream_handle
 
-CHUNK = 4 if SIMULATED else 32
-PREP_THREADS = 32 if SIMULATED else 256
+CHUNK = 4 if SIMULATED else 64
+ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
+PARTS = 4                                # threads per column of T in the triangular solve
+THREADS = 32 if SIMULATED else 256       # prep and scatter
+REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
 
 
-def _make_prep(control, dk):
-    row = dk + 1        # padded rows: the K K^T loop reads a column of kc across the warp
-
+# --- kernels -------------------------------------------------------------------------------------
+def _make_prep(r):
+    """Chunk-major operands per (value head, chunk); heads whose index is a multiple of r (the value
+    heads per key head) also write their key head's [Q; K] rows for the Gram product."""
     @jit
-    def prep(q, k, v, g, beta, gam, u, w, p):
+    def prep(q, k, v, g, beta, qk, rhs, kt, qg, gam, state):
         hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
-        n, n_hk = q.shape[0], q.shape[1]
-        n_hv, dv = v.shape[1], v.shape[2]
-        hk = hv // (n_hv // n_hk)
+        n, dk, dv = q.shape[0], q.shape[2], v.shape[2]
+        hk = hv // r
         t0 = c * CHUNK
-        m = min(CHUNK, n - t0)
-        kc = cuda.shared.array((CHUNK, row), float32)
-        qc = cuda.shared.array((CHUNK, row), float32)
-        a = cuda.shared.array((CHUNK, CHUNK), float32)
+        m = max(0, min(CHUNK, n - t0))
         gs = cuda.shared.array(CHUNK, float32)
         bs = cuda.shared.array(CHUNK, float32)
-        for idx in range(tid, CHUNK * dk, nt):
-            r, d = idx // dk, idx % dk
-            kc[r, d] = k[t0 + r, hk, d] if r < m else float32(0.0)
-            qc[r, d] = q[t0 + r, hk, d] if r < m else float32(0.0)
         if tid == 0:
             acc = float32(0.0)
-            for r in range(CHUNK):
-                if r < m:
-                    acc += g[t0 + r, hv]
-                gs[r] = acc
-                bs[r] = beta[t0 + r, hv] if r < m else float32(0.0)
-        cuda.syncthreads()
-        for r in range(tid, m, nt):
-            gam[t0 + r, hv] = gs[r]
-        for idx in range(tid, CHUNK * CHUNK, nt):
-            i, j = idx // CHUNK, idx % CHUNK
-            kk = float32(0.0)
-            qk = float32(0.0)
-            for d in range(dk):
-                kk += kc[i, d] * kc[j, d]
-                qk += qc[i, d] * kc[j, d]
-            decay = math.exp(gs[i] - gs[j]) if j <= i else float32(0.0)
-            a[i, j] = bs[i] * kk * decay if j < i else float32(0.0)
-            p[hv, c, i, j] = qk * (float32(1.0) if control else decay)
-        cuda.syncthreads()
-        # forward substitution, one column of [beta V | beta e^G K] per thread; rows already solved are
-        # read back from this thread's own writes
-        for col in range(tid, dv + dk, nt):
             for i in range(CHUNK):
-                if col < dv:
-                    acc = bs[i] * (v[t0 + i, hv, col] if i < m else float32(0.0))
-                else:
-                    acc = bs[i] * math.exp(gs[i]) * kc[i, col - dv]
-                for j in range(i):
-                    acc -= a[i, j] * (u[hv, c, j, col] if col < dv else w[hv, c, j, col - dv])
-                if col < dv:
-                    u[hv, c, i, col] = acc
-                else:
-                    w[hv, c, i, col - dv] = acc
+                if i < m:
+                    acc += g[t0 + i, hv]
+                gs[i] = acc
+        for i in range(tid, CHUNK, nt):
+            bs[i] = beta[t0 + i, hv] if i < m else float32(0.0)
+        cuda.syncthreads()
+        last = gs[CHUNK - 1]
+        for i in range(tid, CHUNK, nt):
+            gam[hv, c, i] = gs[i]
+        for idx in range(tid, CHUNK * dk, nt):
+            i, d = idx // dk, idx % dk
+            kv = k[t0 + i, hk, d] if i < m else float32(0.0)
+            qv = q[t0 + i, hk, d] if i < m else float32(0.0)
+            e = math.exp(gs[i])
+            rhs[hv, c, i, dv + d] = bs[i] * e * kv
+            kt[hv, c, i, d] = math.exp(last - gs[i]) * kv
+            qg[hv, c, i, d] = e * qv
+            if hv % r == 0:
+                qk[hk, c, i, d] = qv
+                qk[hk, c, CHUNK + i, d] = kv
+        for idx in range(tid, CHUNK * dv, nt):
+            i, d = idx // dv, idx % dv
+            rhs[hv, c, i, d] = bs[i] * v[t0 + i, hv, d] if i < m else float32(0.0)
+        if c == 0:                       # the zero state entering the first chunk
+            for idx in range(tid, dk * dv, nt):
+                state[hv, 0, idx // dv, idx % dv] = float32(0.0)
     return prep
 
 
-def _make_scan(per, parts, dk):
-    columns = THREADS // parts
-
+def _make_solve(control, r):
+    """T = (I + A)^-1 by forward substitution (PARTS threads per column of T), the decayed P, and M's
+    e^(G_n) I term. control: P without its decay factors."""
     @jit(device=True)
-    def column_sum(red, tid, first, value):
-        if SIMULATED:
+    def parts_sum(red, tid, value):
+        if SIMULATED:               # no shuffles in the simulator: through shared memory
             red[tid] = value
             cuda.syncthreads()
             total = float32(0.0)
-            for p in range(parts):
+            first = tid - tid % PARTS
+            for p in range(PARTS):
                 total += red[first + p]
             cuda.syncthreads()
             return total
         step = 1
-        while step < parts:
+        while step < PARTS:
             value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
             step *= 2
         return value
 
     @jit
-    def scan(q, k, gam, u, w, p, out):
-        hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        part, slot = tid % parts, tid // parts
-        col = cuda.blockIdx.y * columns + slot
-        n, n_hk = q.shape[0], q.shape[1]
-        n_hv, dv = u.shape[0], u.shape[3]
-        hk = hv // (n_hv // n_hk)
-        first = tid - part
-        active = col < dv
-        cv = col if active else 0
-        red = cuda.shared.array(THREADS, float32)
-        buf = cuda.shared.array((CHUNK, dk), float32)
-        pc = cuda.shared.array((CHUNK, CHUNK), float32)
-        vn = cuda.shared.array((CHUNK, columns), float32)
+    def solve(gram, gam, beta, t_out, p_out, mat):
+        hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
+        n, dk = beta.shape[0], mat.shape[2]
+        hk = hv // r
+        t0 = c * CHUNK
+        m = max(0, min(CHUNK, n - t0))
+        a = cuda.shared.array((CHUNK, ROW), float32)
+        x = cuda.shared.array((CHUNK, ROW), float32)
         gs = cuda.shared.array(CHUNK, float32)
-        state = cuda.local.array(per, float32)
-        for i in range(per):
-            state[i] = float32(0.0)
-        for c in range((n + CHUNK - 1) // CHUNK):
-            t0 = c * CHUNK
-            m = min(CHUNK, n - t0)
-            cuda.syncthreads()
-            for idx in range(tid, CHUNK * dk, THREADS):
-                r, d = idx // dk, idx % dk
-                buf[r, d] = w[hv, c, r, d]
-            for idx in range(tid, CHUNK * CHUNK, THREADS):
-                r, j = idx // CHUNK, idx % CHUNK
-                pc[r, j] = p[hv, c, r, j]
-            for r in range(tid, CHUNK, THREADS):
-                gs[r] = gam[t0 + min(r, m - 1), hv]
-            cuda.syncthreads()
-            # V' = U - W S with the entry state
-            for r in range(CHUNK):
-                s = float32(0.0)
-                for i in range(per):
-                    s += buf[r, i * parts + part] * state[i]
-                s = column_sum(red, tid, first, s)
-                if part == 0:
-                    vn[r, slot] = u[hv, c, r, cv] - s
-            cuda.syncthreads()
-            for idx in range(tid, CHUNK * dk, THREADS):
-                r, d = idx // dk, idx % dk
-                buf[r, d] = math.exp(gs[r]) * q[t0 + r, hk, d] if r < m else float32(0.0)
-            cuda.syncthreads()
-            # O = e^G Q S + P V'
-            for r in range(CHUNK):
-                s = float32(0.0)
-                for i in range(per):
-                    s += buf[r, i * parts + part] * state[i]
-                for j in range(part, r + 1, parts):
-                    s += pc[r, j] * vn[j, slot]
-                s = column_sum(red, tid, first, s)
-                if part == 0 and active and r < m:
-                    out[t0 + r, hv, col] = s
-            cuda.syncthreads()
-            last = gs[CHUNK - 1]
-            for idx in range(tid, CHUNK * dk, THREADS):
-                r, d = idx // dk, idx % dk
-                buf[r, d] = math.exp(last - gs[r]) * k[t0 + r, hk, d] if r < m else float32(0.0)
-            cuda.syncthreads()
-            # S <- e^(G_n) S + (e^(G_n - G) K)^T V'
-            decay = math.exp(last)
-            for i in range(per):
-                s = decay * state[i]
-                for r in range(CHUNK):
-                    s += buf[r, i * parts + part] * vn[r, slot]
-                state[i] = s
-    return scan
+        red = cuda.shared.array(REDUCE, float32)
+        for i in range(tid, CHUNK, nt):
+            gs[i] = gam[hv, c, i]
+        cuda.syncthreads()
+        for idx in range(tid, CHUNK * CHUNK, nt):
+            i, l = idx // CHUNK, idx % CHUNK
+            decay = math.exp(gs[i] - gs[l]) if l <= i else float32(0.0)
+            b = beta[t0 + i, hv] if i < m else float32(0.0)
+            a[i, l] = b * decay * gram[hk, c, CHUNK + i, l] if l < i else float32(0.0)
+            qk = gram[hk, c, i, l]
+            p_out[hv, c, i, l] = (qk if l <= i else float32(0.0)) if control else decay * qk
+            x[i, l] = float32(1.0) if i == l else float32(0.0)
+        scale = math.exp(gs[CHUNK - 1])
+        for idx in range(tid, dk * dk, nt):
+            i, j = idx // dk, idx % dk
+            mat[hv, c, i, j] = scale if i == j else float32(0.0)
+        cuda.syncthreads()
+        col, part = tid // PARTS, tid % PARTS
+        for i in range(1, CHUNK):
+            s = float32(0.0)
+            for l in range(col + part, i, PARTS):
+                s += a[i, l] * x[l, col]
+            s = parts_sum(red, tid, s)
+            if part == 0 and col < i:
+                x[i, col] = -s
+            if SIMULATED:
+                cuda.syncthreads()
+            else:
+                cuda.syncwarp()     # a column's PARTS threads share one warp
+        for idx in range(tid, CHUNK * CHUNK, nt):
+            i, l = idx // CHUNK, idx % CHUNK
+            t_out[hv, c, i, l] = x[i, l]
+    return solve
 
 
-_prep, _scan = {}, {}
+@jit
+def _scatter(o, out):
+    """out[t, h, :] = o[h, t // CHUNK, t % CHUNK, :] (chunk-major back to token-major)."""
+    start, stride = cuda.grid(1), cuda.gridsize(1)
+    n, heads, dv = out.shape
+    for idx in range(start, n * heads * dv, stride):
+        t, h, d = idx // (heads * dv), (idx // dv) % heads, idx % dv
+        out[t, h, d] = o[h, t // CHUNK, t % CHUNK, d]
 
 
-def workspace_shapes(n, n_hv, dk, dv):
-    """Float32 work arrays the chunked rule needs: G [L, Hv], U, W, P per (head, chunk)."""
-    chunks = (n + CHUNK - 1) // CHUNK
-    return {"gam": (n, n_hv), "u": (n_hv, chunks, CHUNK, dv), "w": (n_hv, chunks, CHUNK, dk),
-            "p": (n_hv, chunks, CHUNK, CHUNK)}
+_prep, _solve = {}, {}
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=False):
-    """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes."""
-    n, dk, n_hv, dv = q.shape[0], q.shape[2], v.shape[1], v.shape[2]
-    parts = next((p for p in PARTS if dk % p == 0), None)
-    if parts is None:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} must be a multiple of one of {PARTS}")
-    chunks = (n + CHUNK - 1) // CHUNK
-    key = (control, dk)
-    if key not in _prep:
-        _prep[key] = _make_prep(control, dk)
-    _prep[key][(n_hv, chunks), PREP_THREADS, stream](q, k, v, g, beta, work["gam"], work["u"], work["w"],
-                                                      work["p"])
-    skey = (dk // parts, parts, dk)
-    if skey not in _scan:
-        _scan[skey] = _make_scan(*skey)
-    columns = THREADS // parts
-    _scan[skey][(n_hv, (dv + columns - 1) // columns), THREADS, stream](q, k, work["gam"], work["u"], work["w"],
-                                                                         work["p"], out)
+# --- the batched products --------------------------------------------------------------------------
+def _tf32_round(x):
+    """Float32 values as the tensor cores read them in TF32: the low 13 mantissa bits dropped."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return bits.view(np.float32)
 
 
-def _run(inp, control):
+def _cublas_on_host(transa, transb, m, n, k, alpha, a, a_off, lda, sa, b, b_off, ldb, sb, beta, c, c_off,
+                    ldc, sc, batch, tf32):
+    """cublasGemmStridedBatchedEx's column-major semantics on host copies (the simulator has no cuBLAS):
+    float64 sums of the (TF32-rounded, when asked) float32 inputs."""
+    ha, hb, hc = (x.copy_to_host().reshape(-1) for x in (a, b, c))
+    if tf32:
+        ha, hb = _tf32_round(ha), _tf32_round(hb)
+
+    def mat(flat, off, ld, rows, cols, trans):
+        # column-major rows x cols at flat[off], leading dimension ld; op() applied
+        view = np.lib.stride_tricks.as_strided(flat[off:], (cols, rows), (ld * flat.itemsize, flat.itemsize))
+        view = view.T.astype(np.float64)
+        return view.T if trans else view
+
+    for i in range(batch):
+        op_a = mat(ha, a_off + i * sa, lda, k if transa else m, m if transa else k, transa)
+        op_b = mat(hb, b_off + i * sb, ldb, n if transb else k, k if transb else n, transb)
+        dst = np.lib.stride_tricks.as_strided(hc[c_off + i * sc:], (n, m), (ldc * 4, 4)).T
+        dst[...] = (alpha * (op_a @ op_b) + (beta * dst.astype(np.float64) if beta else 0.0)).astype(np.float32)
+    c.copy_to_device(hc.reshape(c.shape))
+
+
+def _product(m, n, k, a, a_off, lda, sa, b, b_off, ldb, sb, c, c_off, ldc, sc, batch, trans_a=False,
+             trans_b=False, alpha=1.0, beta=0.0, tf32=True, stream=0):
+    """Row-major, batched: C_i = alpha op(A_i) op(B_i) + beta C_i (C_i m x n; op transposes when asked),
+    every matrix at `off + i * s` float32 elements into its array with row stride `ld`.
+
+    Row-major X is column-major X^T, so cuBLAS computes C^T = op(B)^T op(A)^T with the operands swapped."""
+    args = (OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha, b, b_off, ldb, sb,
+            a, a_off, lda, sa, beta, c, c_off, ldc, sc, batch)
+    if SIMULATED:
+        _cublas_on_host(*args, tf32)
+        return
+    ta, tb, m_, n_, k_, alpha, a_, a_off, lda_, sa_, b_, b_off, ldb_, sb_, beta, c_, c_off, ldc_, sc_, batch = args
+    lib = blas()
+    lib.cb.set_stream(lib.cb_handle, stream_handle(stream))
+    alpha_buf, beta_buf = np.array([alpha], np.float32), np.array([beta], np.float32)
+    lib.cb.gemm_strided_batched_ex(
+        lib.cb_handle, ta, tb, m_, n_, k_, alpha_buf.ctypes.data,
+        pointer(a_) + 4 * a_off, R_32F, lda_, sa_, pointer(b_) + 4 * b_off, R_32F, ldb_, sb_,
+        beta_buf.ctypes.data, pointer(c_) + 4 * c_off, R_32F, ldc_, sc_, batch,
+        COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F, -1)
+
+
+# --- the op --------------------------------------------------------------------------------------
+def workspace_shapes(n, n_hk, n_hv, dk, dv):
+    """Float32 work arrays of one call, N + 1 chunk slots per head."""
+    slots = -(-n // CHUNK) + 1
+    return {"qk": (n_hk, slots, 2 * CHUNK, dk), "gram": (n_hk, slots, 2 * CHUNK, CHUNK),
+            "rhs": (n_hv, slots, CHUNK, dv + dk), "uw": (n_hv, slots, CHUNK, dv + dk),
+            "kt": (n_hv, slots, CHUNK, dk), "qg": (n_hv, slots, CHUNK, dk), "gam": (n_hv, slots, CHUNK),
+            "t": (n_hv, slots, CHUNK, CHUNK), "p": (n_hv, slots, CHUNK, CHUNK),
+            "mat": (n_hv, slots, dk, dk), "state": (n_hv, slots, dk, dv), "o": (n_hv, slots, CHUNK, dv)}
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=False, tf32=True):
+    """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes.
+    tf32: the products on tensor cores from TF32-rounded inputs (float32 accumulation), else float32."""
+    n, n_hk, dk = q.shape
+    n_hv, dv = v.shape[1], v.shape[2]
+    r = n_hv // n_hk
+    chunks = -(-n // CHUNK)
+    slots = chunks + 1
+    w = work
+    if r not in _prep:
+        _prep[r] = _make_prep(r)
+    if (control, r) not in _solve:
+        _solve[control, r] = _make_solve(control, r)
+    _prep[r][(n_hv, slots), THREADS, stream](q, k, v, g, beta, w["qk"], w["rhs"], w["kt"], w["qg"], w["gam"],
+                                             w["state"])
+
+    def product(*args, **kw):
+        _product(*args, tf32=tf32, stream=stream, **kw)
+    C, e, wide, batch = CHUNK, dk * dv, dv + dk, n_hv * slots
+    # [Q; K] K^T per key head and chunk: Q K^T above, K K^T below
+    product(2 * C, C, dk, w["qk"], 0, dk, 2 * C * dk, w["qk"], C * dk, dk, 2 * C * dk, w["gram"], 0, C,
+            2 * C * C, n_hk * slots, trans_b=True)
+    _solve[control, r][(n_hv, slots), C * PARTS, stream](w["gram"], w["gam"], beta, w["t"], w["p"], w["mat"])
+    # [U | W] = T [beta V | beta e^G K]
+    product(C, wide, C, w["t"], 0, C, C * C, w["rhs"], 0, wide, C * wide, w["uw"], 0, wide, C * wide, batch)
+    # B = K~^T U into the next chunk's state slot (the zero last slot of a head writes zero into the next
+    # head's first slot, so the last batch is left out)
+    product(dk, dv, C, w["kt"], 0, dk, C * dk, w["uw"], 0, wide, C * wide, w["state"], e, dv, e, batch - 1,
+            trans_a=True)
+    # M = e^(G_n) I - K~^T W
+    product(dk, dk, C, w["kt"], 0, dk, C * dk, w["uw"], dv, wide, C * wide, w["mat"], 0, dk, dk * dk, batch,
+            trans_a=True, alpha=-1.0, beta=1.0)
+    for c in range(1, chunks):
+        product(dk, dv, dk, w["mat"], c * dk * dk, dk, slots * dk * dk, w["state"], c * e, dv, slots * e,
+                w["state"], (c + 1) * e, dv, slots * e, n_hv, beta=1.0)
+    # D = U - W S (in place of U), then O = e^G Q S + P D
+    product(C, dv, dk, w["uw"], dv, wide, C * wide, w["state"], 0, dv, e, w["uw"], 0, wide, C * wide, batch,
+            alpha=-1.0, beta=1.0)
+    product(C, dv, dk, w["qg"], 0, dk, C * dk, w["state"], 0, dv, e, w["o"], 0, dv, C * dv, batch)
+    product(C, dv, C, w["p"], 0, C, C * C, w["uw"], 0, wide, C * wide, w["o"], 0, dv, C * dv, batch, beta=1.0)
+    blocks = max(1, min(-(-out.size // THREADS), 2 if SIMULATED else 4096))
+    _scatter[blocks, THREADS, stream](w["o"], out)
+
+
+def _run(inp, control, tf32=True):
     arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
-    n, _, dk = inp["q"].shape
+    n, n_hk, dk = inp["q"].shape
     n_hv, dv = inp["v"].shape[1:]
-    work = {name: cuda.device_array(shape, np.float32) for name, shape in workspace_shapes(n, n_hv, dk, dv).items()}
+    work = {name: cuda.device_array(shape, np.float32)
+            for name, shape in workspace_shapes(n, n_hk, n_hv, dk, dv).items()}
     out = cuda.device_array(inp["v"].shape, np.float32)
-    gated_delta_rule_chunked(*arrays, out, work, control=control)
+    gated_delta_rule_chunked(*arrays, out, work, control=control, tf32=tf32)
     return out.copy_to_host()
 
 
-# the reference and its gate are the recurrent rule's: both forms compute the same function
-CASES = [Case("gated_delta_rule_chunked", _make_delta_inputs, _run, _ref_delta,
-              notes="control: the within-chunk read P without its decay factors")]
+def _make_inputs(rng, size):
+    """The recurrence's contract inputs with stronger decays (g down to -3), so that a missing decay
+    factor inside a chunk shows at the tiny size too."""
+    inp = _make_delta_inputs(rng, size)
+    inp["g"] = inp["g"] * np.float32(6.0)
+    return inp
+
+
+def _ref_chunked(inp, tf32=True):
+    """The recurrence in float64; the gate: each product rounds its inputs (u: TF32's or float32's) and
+    sums up to max(dk, CHUNK) terms, an output passes through at most 6 + c products, c its chunk (the
+    serial state chain, whose step map e^g (I - beta k k^T) does not expand); x4 for the size of
+    (I + A)^-1's terms and the float32 kernels around the products."""
+    ref, terms = delta_reference_terms(inp)
+    n, dk = inp["q"].shape[0], inp["q"].shape[2]
+    u = EPS_TF32 if tf32 else gamma(1)
+    depth = 6 + np.arange(n)[:, None, None] // CHUNK
+    return ref, 4 * (2 * u + gamma(max(dk, CHUNK))) * depth * terms + 1e-30
+
+
+CASES = [
+    Case("gated_delta_rule_chunked", _make_inputs, _run, _ref_chunked,
+         notes="control: the within-chunk read P without its decay factors"),
+    Case("gated_delta_rule_chunked_f32", _make_inputs, lambda i, c: _run(i, c, tf32=False),
+         lambda i: _ref_chunked(i, tf32=False), notes="control: the within-chunk read P without its decay factors"),
+]

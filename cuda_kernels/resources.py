@@ -46,9 +46,9 @@ def _signatures():
         "causal_conv1d_k4": (gdn._make_conv(False, 4), (s2, f2, f2, t.boolean)),
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
                                    (f3, f3, s3, f2, f2, f3)),
-        "delta_chunk_prep_dk128": (gdn_chunk._make_prep(False, 128), (f3, f3, f3, f2, f2, f2, f4, f4, f4)),
-        "delta_chunk_scan_dk128": (gdn_chunk._make_scan(128 // gdn.PARTS[0], gdn.PARTS[0], 128),
-                                   (f3, f3, f2, f4, f4, f4, f3)),
+        "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f4, f4, f3, f4)),
+        "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4, f4)),
+        "delta_chunk_scatter": (gdn_chunk._scatter, (f4, f3)),
     }
 
 

@@ -128,7 +128,7 @@ def profile(enc, ids, top=16):
         name = e.name
         for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
                     "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu",
-                    "gdn_gates", "sigmoid_gate"):
+                    "gdn_gates", "sigmoid_gate", "prep", "solve", "_scatter"):
             if key in name:
                 name = key
                 break
@@ -188,6 +188,16 @@ def main():
                     "bucket": enc.timings["bucket"], "capture_s": capture_s,
                     "graph_vs_eager_rel": rel(rows, ours[n][-1]), "replays_identical": again.tobytes() == rows.tobytes(),
                     "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
+    # the same graph with the token-recurrent delta rule, for the comparison (BENCHMARKS.md)
+    enc.model.form, enc._captured = "recurrent", {}
+    for n, ids in prompts.items():
+        enc(ids)
+        totals = []
+        for _ in range(10):
+            enc(ids)
+            totals.append(enc.timings["total_s"])
+        speed[n]["ours_recurrent_delta_ms"] = 1e3 * statistics.median(totals)
+    enc.model.form, enc._captured = "chunk", {}
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
     print("ours:", json.dumps(speed), flush=True)

@@ -22,6 +22,7 @@ for step in "$@"; do
     contract) python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
     bench) python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_contract.py -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
+    delta) python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     encoder) python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
     resources) python3 scripts/gpu_resources.py 2>&1 | tee "$OUT/resources.txt" ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -80,8 +80,14 @@ q = r(6, 2, 8) * 0.3
 k = r(6, 2, 8)
 k /= np.linalg.norm(k, axis=-1, keepdims=True)
 v, g, beta = r(6, 4, 4), -np.abs(r(6, 4)), 1 / (1 + np.exp(-r(6, 4)))
-check("gated_delta_rule", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
+check("gated_delta_rule recurrent", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta), form="recurrent"),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
+gpu.delta_tf32 = False
+check("gated_delta_rule chunked", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
+      ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
+gpu.delta_tf32 = True      # products from TF32-rounded inputs (2^-10)
+check("gated_delta_rule chunked tf32", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
+      ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 2 ** -8)
 # the fused ops; "operand" results are bf16 bits (relative error up to 2^-8)
 check("rms_norm operand", gpu.rms_norm(d(x3), d(w8), 1e-6, offset=1.0, operand=True),
       ref.rms_norm(x3, w8, 1e-6, offset=1.0), 2 ** -8)

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, gdn, layout, norms, rope_attention
+from cuda_kernels import elementwise, embedding as emb, gdn, gdn_chunk, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas
 
@@ -27,6 +27,8 @@ from ..encoder import Qwen35Encoder, text_config
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 16 tokens up to 256, of 64 up to 2048, of 256 up to MAX_TOKENS. One graph is captured per bucket.
 MAX_TOKENS = 32768
+# Prompt length from which the delta rule runs in chunks (gdn_chunk) rather than token by token (gdn).
+CHUNK_FROM = 0
 
 
 class _View:
@@ -95,6 +97,8 @@ class CudaOps:
         self._free = defaultdict(list)
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() read
+        self.chunk_from = CHUNK_FROM
+        self.delta_tf32 = True
         self._last_cast = None
 
     # --- memory -------------------------------------------------------------------------------
@@ -418,12 +422,19 @@ class CudaOps:
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
-        """The token recurrence (gdn) whatever `form` asks: both forms are the same function, and the
-        chunked kernel (gdn_chunk) measured slower on the H200 (BENCHMARKS.md)."""
+        """Form "chunk": the chunked form on tensor cores (gdn_chunk; TF32 products unless `delta_tf32` is
+        False) from `chunk_from` tokens on, the token recurrence (gdn) below; "recurrent": the recurrence.
+        Both are the same function (their contract cases hold them to the same float64 recurrence)."""
         if form not in ("chunk", "recurrent"):
             raise ValueError(f"unknown delta rule form {form!r}")
         out = self.new(v.shape)
-        gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+        n, n_hk, dk = q.shape
+        if form == "recurrent" or n < self.chunk_from:
+            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+            return out
+        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
+        work = {name: self.new(shape) for name, shape in shapes.items()}
+        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, tf32=self.delta_tf32)
         return out
 
 

@@ -1,0 +1,87 @@
+"""The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn) against the
+chunked form (gdn_chunk, TF32 and float32 products), each captured as a CUDA graph and replayed.
+
+    python scripts/gpu_bench_delta.py --out delta.json
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import gdn
+from moss_cli.ops.cuda_table import CudaOps
+
+HK, HV, DK, DV = 16, 32, 128, 128
+LENGTHS = (112, 1024)
+FORMS = {"recurrent": ("recurrent", True), "chunked_tf32": ("chunk", True), "chunked_f32": ("chunk", False)}
+
+
+def inputs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    inp = gdn._make_delta_inputs(rng, "real")
+    if n != inp["q"].shape[0]:
+        inp = {k: np.ascontiguousarray(np.resize(v, (n,) + v.shape[1:])) for k, v in inp.items()}
+    inp["g"] = inp["g"] * np.float32(6.0)          # decays as strong as the contract's chunked case
+    return inp
+
+
+def replay_ms(ops, args, form, tf32, reps=20):
+    """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
+    from cuda.core import Device, StreamOptions
+    ops.delta_tf32 = tf32
+    ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
+    cuda.synchronize()
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream(options=StreamOptions(nonblocking=True))
+    builder = stream.create_graph_builder()
+    with cuda.defer_cleanup():
+        builder.begin_building("relaxed")
+        ops.stream, ops.capturing = builder, True
+        try:
+            out = ops.gated_delta_rule(*args, form=form)
+        finally:
+            ops.stream, ops.capturing = 0, False
+            builder.end_building()
+    graph = builder.complete()
+    times = []
+    for _ in range(reps + 3):
+        t = time.perf_counter()
+        graph.launch(stream)
+        stream.sync()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times[3:]), out.copy_to_host()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="delta.json")
+    args = parser.parse_args()
+    ops = CudaOps()
+    ops.chunk_from = 0
+    result = {}
+    for n in LENGTHS:
+        inp = inputs(n)
+        dev = [cuda.to_device(inp[k]) for k in ("q", "k", "v", "g", "beta")]
+        row, outs = {}, {}
+        for label, (form, tf32) in FORMS.items():
+            try:
+                row[label + "_ms"], outs[label] = replay_ms(ops, dev, form, tf32)
+            except Exception as exc:          # one failing form must not hide the others
+                row[label + "_ms"] = f"failed: {exc!r}"
+        ref = outs.get("recurrent")
+        for label, o in outs.items():
+            if ref is not None and label != "recurrent":
+                row[label + "_rel_to_recurrent"] = float(np.abs(o - ref).max() / np.abs(ref).max())
+        result[n] = row
+        print(n, json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
