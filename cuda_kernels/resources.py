@@ -47,7 +47,8 @@ def _signatures():
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
                                    (f3, f3, s3, f2, f2, f3)),
         "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f4, f4, f3, f4)),
-        "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4, f4)),
+        "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
+        "delta_chunk_diagonal": (gdn_chunk._add_diagonal, (f3, f4)),
         "delta_chunk_scatter": (gdn_chunk._scatter, (f4, f3)),
     }
 
