@@ -1,8 +1,8 @@
 """Gated DeltaNet: the causal depthwise conv (+ silu) and the gated delta rule with a float32 state.
 
-The delta rule runs the exact recurrence (encoder.md 2.5 step 6). Each column c of a value head's
-state S [dk, dv] evolves on its own, so a few threads share one column, each holding dk / parts rows
-of it in registers; the two dot products per step are summed across the parts.
+The delta rule runs the recurrence (encoder.md 2.5 step 6) a few tokens at a time. Each column c of a
+value head's state S [dk, dv] evolves on its own, so a few threads share one column, each holding
+dk / parts rows of it in registers; the dot products with S are summed across the parts.
 """
 
 import math
@@ -16,6 +16,7 @@ from .core import EPS32, SIMULATED, Case, gamma, jit
 PARTS = (8, 4, 2, 1)
 THREADS = 32 if SIMULATED else 128   # threads per block (whole warps: the shuffles need all lanes)
 TILE = 4 if SIMULATED else 32        # tokens staged in shared memory at a time
+GROUP = 2 if SIMULATED else 8        # tokens whose reads of the state are resolved together
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
@@ -51,11 +52,17 @@ def _make_conv(control, width):
 
 def _make_delta_rule(control, per, parts):
     """The kernel for dk = per * parts: each thread keeps `per` state rows (rows part, part + parts, ...)
-    in registers, unrolled. TILE tokens of k, q, v, decay and beta are staged in shared memory at a time,
-    so the serial loop over tokens never waits on global memory. On the GPU the parts of one column sit
-    in one warp and sum by shuffles; the simulator (no shuffles) sums through shared memory instead.
+    of one column in registers. Tokens go GROUP at a time: with S the state before the group and G the
+    cumulative log decay inside it, token j's read of the state is e^G_j S^T k_j plus the earlier writes
+    of the group, sum_(l<j) e^(G_j - G_l) (k_l . k_j) delta_l, so the group needs 2 GROUP dot products
+    with S (summed across the parts together) and a GROUP-step scalar substitution, not GROUP serial
+    reductions. TILE tokens of k, q, v, g, beta and the groups' k.k and k.q coefficients sit in shared
+    memory. On the GPU the parts of one column sit in one warp and sum by shuffles; the simulator (no
+    shuffles) sums through shared memory. control: a token's output leaves out its own write.
     """
     dk, columns = per * parts, THREADS // parts
+    row = dk + 1                 # padded rows: the coefficient loop walks a column of ks across threads
+    groups = TILE // GROUP
 
     @jit(device=True)
     def column_sum(red, tid, first, value):
@@ -84,42 +91,87 @@ def _make_delta_rule(control, per, parts):
         hk = hv // (n_hv // n_hk)
         first = tid - part
         red = cuda.shared.array(THREADS, float32)
-        ks = cuda.shared.array((TILE, dk), float32)
-        qs = cuda.shared.array((TILE, dk), float32)
+        ks = cuda.shared.array((TILE, row), float32)
+        qs = cuda.shared.array((TILE, row), float32)
         vs = cuda.shared.array((TILE, columns), float32)
-        decays = cuda.shared.array(TILE, float32)
-        betas = cuda.shared.array(TILE, float32)
+        cum = cuda.shared.array(TILE, float32)       # G inside each group
+        bs = cuda.shared.array(TILE, float32)
+        eg = cuda.shared.array(TILE, float32)        # e^G
+        ew = cuda.shared.array(TILE, float32)        # e^(G_last - G): a write's decay to the group's end
+        ckk = cuda.shared.array((TILE, GROUP), float32)   # beta_j e^(G_j - G_l) k_l . k_j, l < j
+        cqk = cuda.shared.array((TILE, GROUP), float32)   # e^(G_j - G_l) k_l . q_j, l <= j
         state = cuda.local.array(per, float32)
+        a = cuda.local.array(GROUP, float32)
+        b = cuda.local.array(GROUP, float32)
+        delta = cuda.local.array(GROUP, float32)
         for i in range(per):
             state[i] = float32(0.0)
         for t0 in range(0, n, TILE):
-            m = min(TILE, n - t0)
             cuda.syncthreads()              # every thread is done with the previous tile
-            for idx in range(tid, m * dk, THREADS):
+            for idx in range(tid, TILE * dk, THREADS):
                 r, c = idx // dk, idx % dk
-                ks[r, c] = k[t0 + r, hk, c]
-                qs[r, c] = q[t0 + r, hk, c]
-            for idx in range(tid, m * columns, THREADS):
+                ks[r, c] = k[t0 + r, hk, c] if t0 + r < n else float32(0.0)
+                qs[r, c] = q[t0 + r, hk, c] if t0 + r < n else float32(0.0)
+            for idx in range(tid, TILE * columns, THREADS):
                 r, c = idx // columns, idx % columns
-                vs[r, c] = v[t0 + r, hv, col0 + c] if col0 + c < dv else float32(0.0)
-            for r in range(tid, m, THREADS):
-                decays[r] = math.exp(g[t0 + r, hv])
-                betas[r] = beta[t0 + r, hv]
+                vs[r, c] = v[t0 + r, hv, col0 + c] if t0 + r < n and col0 + c < dv else float32(0.0)
+            for r in range(tid, TILE, THREADS):
+                cum[r] = g[t0 + r, hv] if t0 + r < n else float32(0.0)
+                bs[r] = beta[t0 + r, hv] if t0 + r < n else float32(0.0)
             cuda.syncthreads()
-            for r in range(m):
-                decay = decays[r]
-                u = float32(0.0)
+            for grp in range(tid, groups, THREADS):
+                j0 = grp * GROUP
+                for j in range(1, GROUP):
+                    cum[j0 + j] += cum[j0 + j - 1]
+            cuda.syncthreads()
+            for r in range(tid, TILE, THREADS):
+                eg[r] = math.exp(cum[r])
+                ew[r] = math.exp(cum[r - r % GROUP + GROUP - 1] - cum[r])
+            for idx in range(tid, TILE * GROUP, THREADS):
+                r, l = idx // GROUP, idx % GROUP
+                j = r % GROUP
+                src = r - j + l
+                kk = float32(0.0)
+                qk = float32(0.0)
+                for d in range(dk):
+                    kk += ks[src, d] * ks[r, d]
+                    qk += ks[src, d] * qs[r, d]
+                decay = math.exp(cum[r] - cum[src]) if l <= j else float32(0.0)
+                ckk[r, l] = bs[r] * decay * kk if l < j else float32(0.0)
+                cqk[r, l] = decay * qk if (l < j if control else l <= j) else float32(0.0)
+            cuda.syncthreads()
+            for grp in range(groups):
+                j0 = grp * GROUP
+                for j in range(GROUP):
+                    a[j] = float32(0.0)
+                    b[j] = float32(0.0)
                 for i in range(per):
-                    u += state[i] * ks[r, i * parts + part]
-                delta = betas[r] * (vs[r, slot] - decay * column_sum(red, tid, first, u))
-                o = float32(0.0)
+                    s = state[i]
+                    for j in range(GROUP):
+                        a[j] += s * ks[j0 + j, i * parts + part]
+                        b[j] += s * qs[j0 + j, i * parts + part]
+                for j in range(GROUP):
+                    a[j] = column_sum(red, tid, first, a[j])
+                    b[j] = column_sum(red, tid, first, b[j])
+                for j in range(GROUP):
+                    d = bs[j0 + j] * (vs[j0 + j, slot] - eg[j0 + j] * a[j])
+                    for l in range(j):
+                        d -= ckk[j0 + j, l] * delta[l]
+                    delta[j] = d
+                for j in range(GROUP):
+                    o = eg[j0 + j] * b[j]
+                    for l in range(GROUP):
+                        o += cqk[j0 + j, l] * delta[l]
+                    if part == 0 and col < dv and t0 + j0 + j < n:
+                        out[t0 + j0 + j, hv, col] = o
+                decay = eg[j0 + GROUP - 1]
+                for l in range(GROUP):
+                    delta[l] *= ew[j0 + l]
                 for i in range(per):
-                    old = decay * state[i]
-                    state[i] = old + ks[r, i * parts + part] * delta
-                    o += (old if control else state[i]) * qs[r, i * parts + part]
-                o = column_sum(red, tid, first, o)
-                if part == 0 and col < dv:
-                    out[t0 + r, hv, col] = o
+                    s = decay * state[i]
+                    for l in range(GROUP):
+                        s += ks[j0 + l, i * parts + part] * delta[l]
+                    state[i] = s
     return gated_delta_rule
 
 

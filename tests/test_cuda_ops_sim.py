@@ -17,6 +17,7 @@ SCRIPT = r'''
 import numpy as np
 import ml_dtypes
 from moss_cli.ops import numpy_ops
+from moss_cli.ops import cuda_table
 from moss_cli.ops.cuda_table import CudaOps
 from cuda_kernels.core import from_bf16_bits
 
@@ -82,12 +83,13 @@ k /= np.linalg.norm(k, axis=-1, keepdims=True)
 v, g, beta = r(6, 4, 4), -np.abs(r(6, 4)), 1 / (1 + np.exp(-r(6, 4)))
 check("gated_delta_rule recurrent", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta), form="recurrent"),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
-gpu.delta_tf32 = False
+gpu.chunk_from, gpu.delta_tf32 = 0, False
 check("gated_delta_rule chunked", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
 gpu.delta_tf32 = True      # products from TF32-rounded inputs (2^-10)
 check("gated_delta_rule chunked tf32", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 2 ** -8)
+gpu.chunk_from = cuda_table.CHUNK_FROM
 # the fused ops; "operand" results are bf16 bits (relative error up to 2^-8)
 check("rms_norm operand", gpu.rms_norm(d(x3), d(w8), 1e-6, offset=1.0, operand=True),
       ref.rms_norm(x3, w8, 1e-6, offset=1.0), 2 ** -8)

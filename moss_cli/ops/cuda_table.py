@@ -27,8 +27,9 @@ from ..encoder import Qwen35Encoder, text_config
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 16 tokens up to 256, of 64 up to 2048, of 256 up to MAX_TOKENS. One graph is captured per bucket.
 MAX_TOKENS = 32768
-# Prompt length from which the delta rule runs in chunks (gdn_chunk) rather than token by token (gdn).
-CHUNK_FROM = 0
+# Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
+# by token (gdn); BENCHMARKS.md compares the two.
+CHUNK_FROM = MAX_TOKENS + 1
 
 
 class _View:
