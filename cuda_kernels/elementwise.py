@@ -284,11 +284,19 @@ def _run_swiglu(inp, control):
     return from_bf16_bits(out.copy_to_host())
 
 
-def _ref_swiglu(inp):
-    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
-    ref = a / (1 + np.exp(-a)) * b
+def swiglu_reference(gate, up):
+    gate, up = gate.astype(np.float64), up.astype(np.float64)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def swiglu_bound(ref, bits=True):
     # silu as in unary (a few roundings), one product, then half a bf16 ulp
-    return ref, bf16_bound(10 * EPS32) * np.abs(ref) + 1e-30
+    return (bf16_bound(10 * EPS32) if bits else 10 * EPS32) * np.abs(ref) + 1e-30
+
+
+def _ref_swiglu(inp):
+    ref = swiglu_reference(inp["a"], inp["b"])
+    return ref, swiglu_bound(ref)
 
 
 def _run_sigmoid_gate(inp, control):
@@ -304,10 +312,17 @@ def _run_sigmoid_gate(inp, control):
     return from_bf16_bits(out.copy_to_host().reshape(rows, n))
 
 
+def sigmoid_gate_reference(x, g):
+    return x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+
+
+def sigmoid_gate_bound(ref, bits=True):
+    return (bf16_bound(8 * EPS32) if bits else 8 * EPS32) * np.abs(ref) + 1e-30
+
+
 def _ref_sigmoid_gate(inp):
-    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
-    ref = a / (1 + np.exp(-b))
-    return ref, bf16_bound(8 * EPS32) * np.abs(ref) + 1e-30
+    ref = sigmoid_gate_reference(inp["a"], inp["b"])
+    return ref, sigmoid_gate_bound(ref)
 
 
 CASES = [

@@ -184,6 +184,23 @@ def gated_rms_norm_reference(x, z, w, eps):
     return w.astype(np.float64) * n * (z / (1 + np.exp(-z)))
 
 
+# --- gates: the bound on |kernel - reference| for a reference `ref` over rows of d -----------------------
+def rms_norm_bound(ref, d, bits=False):
+    # the sum of squares carries gamma_d relative error, the 1/sqrt half of it; a few more roundings
+    rel = 0.5 * gamma(d) + 6 * EPS32
+    return (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+
+
+def l2_norm_bound(ref, d):
+    return (0.5 * gamma(d) + 5 * EPS32) * np.abs(ref) + 1e-30
+
+
+def gated_rms_norm_bound(ref, d, bits=False):
+    # as rms_norm, plus silu (exp within 2 ulp, a division, a product); bf16 bits add half a bf16 ulp
+    rel = 0.5 * gamma(d) + 12 * EPS32
+    return (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+
+
 # --- contract --------------------------------------------------------------------------------
 def _maker(rows, d):
     """Inputs of `rows` rows of d at real size (the encoder's: hidden rows 4096, q/k heads 256, GDN heads 128)."""
@@ -224,9 +241,7 @@ def _run_rms(inp, control, bits=False):
 
 def _ref_rms(inp, bits=False):
     ref = rms_norm_reference(inp["x"], inp["w"], inp["eps"], 1.0)
-    # the sum of squares carries gamma_D relative error, the 1/sqrt half of it; a few more roundings
-    rel = 0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32
-    bound = (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+    bound = rms_norm_bound(ref, inp["x"].shape[1], bits)
     return np.concatenate([ref, ref]), np.concatenate([bound, bound])
 
 
@@ -240,7 +255,7 @@ def _run_l2(inp, control):
 
 def _ref_l2(inp):
     ref = l2_norm_reference(inp["x"], inp["eps"], 0.25)
-    return ref, (0.5 * gamma(inp["x"].shape[1]) + 5 * EPS32) * np.abs(ref) + 1e-30
+    return ref, l2_norm_bound(ref, inp["x"].shape[1])
 
 
 def _run_gated(inp, control, bits=False):
@@ -258,9 +273,7 @@ def _run_gated(inp, control, bits=False):
 
 def _ref_gated(inp, bits=False):
     ref = gated_rms_norm_reference(inp["x"], inp["z"], inp["w"], inp["eps"])
-    # as rms_norm, plus silu (exp within 2 ulp, a division, a product); bf16 bits add half a bf16 ulp
-    rel = 0.5 * gamma(inp["x"].shape[1]) + 12 * EPS32
-    return ref, (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+    return ref, gated_rms_norm_bound(ref, inp["x"].shape[1], bits)
 
 
 CASES = [
