@@ -16,6 +16,7 @@ _GPU_ONLY_KWARGS = ("lineinfo", "launch_bounds", "max_registers", "forceinline",
 
 # One block size for every block-per-row kernel; the simulator pays ~0.2 ms per thread, so it gets few.
 BLOCK = 32 if SIMULATED else 256
+SHARED = BLOCK if SIMULATED else BLOCK // 32    # floats of shared memory team_sum needs in a BLOCK-thread block
 WARP = 1 if SIMULATED else 32      # the fewest threads a block-reducing kernel may have
 EPS32 = float(np.finfo(np.float32).eps) / 2      # unit roundoff of float32
 EPS16 = 2.0 ** -8                                # unit roundoff of bfloat16
@@ -116,6 +117,41 @@ def block_max(sh, value):
         cuda.syncthreads()
         step //= 2
     total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+@jit(device=True, forceinline=True)
+def team_sum(sh, value, team):
+    """Sum of `value` over each aligned group of `team` threads (a power of two dividing blockDim.x, a multiple
+    of 32; every thread of the block calls it). GPU: xor shuffles (they stay inside an aligned team), and teams
+    wider than a warp add their warps' partials through sh (>= blockDim.x / 32 floats). Simulator: a tree in
+    sh (>= blockDim.x floats)."""
+    tid = cuda.threadIdx.x
+    if not SIMULATED:
+        for step in (16, 8, 4, 2, 1):
+            if step < team:
+                value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+        if team <= 32:
+            return value
+        if tid % 32 == 0:
+            sh[tid // 32] = value
+        cuda.syncthreads()
+        first = (tid - tid % team) // 32
+        total = float32(0.0)
+        for w in range(team // 32):
+            total += sh[first + w]
+        cuda.syncthreads()
+        return total
+    sh[tid] = value
+    cuda.syncthreads()
+    step = team // 2
+    while step > 0:
+        if tid % team < step:
+            sh[tid] += sh[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = sh[tid - tid % team]
     cuda.syncthreads()
     return total
 

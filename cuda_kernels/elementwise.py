@@ -1,5 +1,6 @@
 """Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU."""
 
+import functools
 import math
 
 import numpy as np
@@ -116,60 +117,90 @@ def binary(a, b, out, op, stream=0, control=False):
     _binary[control][grid, block, stream](a, b, out, BINARY[op])
 
 
-# --- SwiGLU ----------------------------------------------------------------------------------
-def _make_swiglu(control, bits):
+# --- SwiGLU and the sigmoid gate: row tiles -------------------------------------------------
+# team threads cover a segment of team x TILE_PER elements of one row, each thread loading all its elements
+# before it computes (many loads in flight); BLOCK // team rows per block. The simulator gets small tiles.
+TILE_MIN, TILE_MAX = (4, 8) if SIMULATED else (32, BLOCK)
+TILE_PER = 2 if SIMULATED else 8
+
+
+def _tiles(rows, n):
+    """(grid, team) for `rows` rows of n elements: grid (row blocks, segments per row)."""
+    team = TILE_MIN
+    while team < TILE_MAX and team * TILE_PER < n:
+        team *= 2
+    return (-(-rows // (BLOCK // team)), -(-n // (team * TILE_PER))), team
+
+
+@functools.cache
+def _swiglu(control, bits, team):
+    per = TILE_PER
+
     @jit
     def swiglu(gate, up, out):
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i >= out.shape[1]:
+        r = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        first = cuda.blockIdx.y * (team * per) + cuda.threadIdx.x % team
+        n = out.shape[1]
+        if r >= out.shape[0]:
             return
-        for r in range(cuda.blockIdx.y, out.shape[0], cuda.gridDim.y):
-            g, u = (up[r, i], gate[r, i]) if control else (gate[r, i], up[r, i])
-            y = silu(g) * u
-            if bits:
-                out[r, i] = narrow(y)
-            else:
-                out[r, i] = y
+        g = cuda.local.array(per, float32)
+        u = cuda.local.array(per, float32)
+        for j in range(per):
+            i = first + j * team
+            if i < n:
+                g[j], u[j] = (up[r, i], gate[r, i]) if control else (gate[r, i], up[r, i])
+        for j in range(per):
+            i = first + j * team
+            if i < n:
+                y = silu(g[j]) * u[j]
+                if bits:
+                    out[r, i] = narrow(y)
+                else:
+                    out[r, i] = y
     return swiglu
-
-
-_swiglu = {(c, b): _make_swiglu(c, b) for c in (False, True) for b in (False, True)}
 
 
 def swiglu(gate, up, out, stream=0, control=False):
     """out = silu(gate) * up over [R, N] arrays of any strides (gate and up may be column blocks of one
     product's output); out float32, or uint16 for bf16 bits: the next product's operand."""
-    rows, n = out.shape
-    grid = ((n + BLOCK - 1) // BLOCK, max(1, min(rows, 2 if SIMULATED else 65535)))
-    _swiglu[control, out.dtype == np.uint16][grid, BLOCK, stream](gate, up, out)
+    grid, team = _tiles(*out.shape)
+    _swiglu(control, out.dtype == np.uint16, team)[grid, BLOCK, stream](gate, up, out)
 
 
-# --- sigmoid gate ----------------------------------------------------------------------------
-def _make_sigmoid_gate(control, bits):
+@functools.cache
+def _sigmoid_gate(control, bits, team):
+    per = TILE_PER
+
     @jit
     def sigmoid_gate(x, g, out):
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        h = cuda.blockIdx.y
-        if i >= out.shape[2]:
+        r = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        first = cuda.blockIdx.y * (team * per) + cuda.threadIdx.x % team
+        n = out.shape[2]
+        if r >= out.shape[0] * out.shape[1]:
             return
-        for t in range(cuda.blockIdx.z, out.shape[0], cuda.gridDim.z):
-            y = x[t, h, i] * (silu(g[t, h, i]) if control else sigmoid(g[t, h, i]))
-            if bits:
-                out[t, h, i] = narrow(y)
-            else:
-                out[t, h, i] = y
+        t, h = r // out.shape[1], r % out.shape[1]
+        a = cuda.local.array(per, float32)
+        b = cuda.local.array(per, float32)
+        for j in range(per):
+            i = first + j * team
+            if i < n:
+                a[j], b[j] = x[t, h, i], g[t, h, i]
+        for j in range(per):
+            i = first + j * team
+            if i < n:
+                y = a[j] * (silu(b[j]) if control else sigmoid(b[j]))
+                if bits:
+                    out[t, h, i] = narrow(y)
+                else:
+                    out[t, h, i] = y
     return sigmoid_gate
-
-
-_sigmoid_gate = {(c, b): _make_sigmoid_gate(c, b) for c in (False, True) for b in (False, True)}
 
 
 def sigmoid_gate(x, g, out, stream=0, control=False):
     """out = x * sigmoid(g) over [L, H, d] arrays of any strides (g may be heads of a column block);
     out float32, or uint16 for bf16 bits."""
-    n, heads, d = out.shape
-    grid = ((d + BLOCK - 1) // BLOCK, heads, max(1, min(n, 2 if SIMULATED else 65535)))
-    _sigmoid_gate[control, out.dtype == np.uint16][grid, BLOCK, stream](x, g, out)
+    grid, team = _tiles(out.shape[0] * out.shape[1], out.shape[2])
+    _sigmoid_gate(control, out.dtype == np.uint16, team)[grid, BLOCK, stream](x, g, out)
 
 
 # --- contract --------------------------------------------------------------------------------
@@ -253,11 +284,19 @@ def _run_swiglu(inp, control):
     return from_bf16_bits(out.copy_to_host())
 
 
-def _ref_swiglu(inp):
-    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
-    ref = a / (1 + np.exp(-a)) * b
+def swiglu_reference(gate, up):
+    gate, up = gate.astype(np.float64), up.astype(np.float64)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def swiglu_bound(ref, bits=True):
     # silu as in unary (a few roundings), one product, then half a bf16 ulp
-    return ref, bf16_bound(10 * EPS32) * np.abs(ref) + 1e-30
+    return (bf16_bound(10 * EPS32) if bits else 10 * EPS32) * np.abs(ref) + 1e-30
+
+
+def _ref_swiglu(inp):
+    ref = swiglu_reference(inp["a"], inp["b"])
+    return ref, swiglu_bound(ref)
 
 
 def _run_sigmoid_gate(inp, control):
@@ -273,10 +312,17 @@ def _run_sigmoid_gate(inp, control):
     return from_bf16_bits(out.copy_to_host().reshape(rows, n))
 
 
+def sigmoid_gate_reference(x, g):
+    return x.astype(np.float64) / (1 + np.exp(-g.astype(np.float64)))
+
+
+def sigmoid_gate_bound(ref, bits=True):
+    return (bf16_bound(8 * EPS32) if bits else 8 * EPS32) * np.abs(ref) + 1e-30
+
+
 def _ref_sigmoid_gate(inp):
-    a, b = inp["a"].astype(np.float64), inp["b"].astype(np.float64)
-    ref = a / (1 + np.exp(-b))
-    return ref, bf16_bound(8 * EPS32) * np.abs(ref) + 1e-30
+    ref = sigmoid_gate_reference(inp["a"], inp["b"])
+    return ref, sigmoid_gate_bound(ref)
 
 
 CASES = [

@@ -1,28 +1,59 @@
 """Row normalisations: RMSNorm (plain or zero-centred), the L2 norm of GDN q/k, the gated RMSNorm.
 
-One block per row, each thread keeping PER of the row's elements in registers between the sum of squares
-and the write (the row is read once); the RMSNorms can write bf16 bits, the operand of the next product.
+A team of threads per row (a warp for head-sized rows, up to BLOCK for hidden rows), several rows per
+block; each thread keeps `per` of the row's elements in registers between the sum of squares and the write
+(the row is read once up to team x per elements). The RMSNorms can write bf16 bits, the next product's operand.
 """
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32
 
-from .core import (BLOCK, EPS32, SIMULATED, WARP, Case, bf16_bound, block_sum, from_bf16_bits, gamma, heads_view, jit,
-                   narrow)
+from .core import (BLOCK, EPS32, SHARED, SIMULATED, Case, bf16_bound, from_bf16_bits, gamma, heads_view, jit, narrow,
+                   team_sum)
 
-MAXBLOCK = 1024
-PER = 4          # row elements per thread held in registers (longer rows read the rest twice)
+# the simulator pays per thread and has no shuffles: small teams, and rows longer than team x per there
+TEAM_MIN, TEAM_MAX = (8, 8) if SIMULATED else (16, BLOCK)
+PER, PER_MAX = (4, 4) if SIMULATED else (8, 16)
 
 
-def _threads(d):
-    """Threads per row: a power of two, at least a warp, about d / PER, at most MAXBLOCK (BLOCK in the
-    simulator, which pays per thread)."""
-    t, most = WARP, BLOCK if SIMULATED else MAXBLOCK
-    while t < most and t * PER < d:
-        t *= 2
-    return t
+def _team(d):
+    """(team, per) for rows of d: team threads per row (a power of two) with about PER row elements each in
+    registers, up to PER_MAX once the team is a whole block (longer rows read the rest twice)."""
+    team = TEAM_MIN
+    while team < TEAM_MAX and team * PER < d:
+        team *= 2
+    return team, max(1, min(PER_MAX, -(-d // team)))
+
+
+def _geometry(x):
+    """(grid, team, per) for the rows of x [L, H, d], BLOCK // team rows per block."""
+    team, per = _team(x.shape[2])
+    return -(-(x.shape[0] * x.shape[1]) // (BLOCK // team)), team, per
+
+
+@functools.cache
+def _load_row(team, per):
+    """The device function every norm starts with: this thread's row (t, h), its lane, whether the row exists,
+    its `per` elements into vals (zeros past the end) and its share of the row's sum of squares."""
+    @jit(device=True, forceinline=True)
+    def load_row(x, vals):
+        row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        lane = cuda.threadIdx.x % team
+        live = row < x.shape[0] * x.shape[1]
+        t, h = row // x.shape[1], row % x.shape[1]
+        d = x.shape[2] if live else 0
+        acc = float32(0.0)
+        for j in range(per):
+            i = lane + j * team
+            vals[j] = x[t, h, i] if i < d else float32(0.0)
+            acc += vals[j] * vals[j]
+        for i in range(lane + per * team, d, team):
+            acc += x[t, h, i] * x[t, h, i]
+        return t, h, lane, live, acc
+    return load_row
 
 
 @jit(device=True)
@@ -41,88 +72,74 @@ def _gate(g, control):
     return s if control else g * s
 
 
-def _make_rms_norm(control, bits):
-    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
+@functools.cache
+def _rms(control, bits, team, per):
+    load_row = _load_row(team, per)
+
+    @jit
     def rms_norm(x, w, out, eps, offset):
-        row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-        t, h = row // x.shape[1], row % x.shape[1]
-        sh = cuda.shared.array(MAXBLOCK, float32)
-        vals = cuda.local.array(PER, float32)
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(per, float32)
+        t, h, lane, live, acc = load_row(x, vals)
         d = x.shape[2]
-        acc = float32(0.0)
-        for j in range(PER):
-            i = tid + j * nt
-            vals[j] = x[t, h, i] if i < d else float32(0.0)
-            acc += vals[j] * vals[j]
-        for i in range(tid + PER * nt, d, nt):
-            acc += x[t, h, i] * x[t, h, i]
-        r = float32(1.0) / math.sqrt(block_sum(sh, acc) / float32(d) + eps)
-        # the first PER elements from registers (a constant trip count, unrolled), any rest read again
-        for j in range(PER):
-            i = tid + j * nt
+        r = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
+        if not live:
+            return
+        # the first per x team elements from registers (a constant trip count, unrolled), any rest read again
+        for j in range(per):
+            i = lane + j * team
             if i < d:
                 _store(out[t], h, i, vals[j] * r * (w[i] if control else offset + w[i]), bits)
-        for i in range(tid + PER * nt, d, nt):
+        for i in range(lane + per * team, d, team):
             _store(out[t], h, i, x[t, h, i] * r * (w[i] if control else offset + w[i]), bits)
     return rms_norm
 
 
-def _make_l2_norm(control):
-    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
+@functools.cache
+def _l2(control, team, per):
+    load_row = _load_row(team, per)
+
+    @jit
     def l2_norm(x, out, eps, scale):
-        row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-        t, h = row // x.shape[1], row % x.shape[1]
-        sh = cuda.shared.array(MAXBLOCK, float32)
-        vals = cuda.local.array(PER, float32)
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(per, float32)
+        t, h, lane, live, acc = load_row(x, vals)
         d = x.shape[2]
-        acc = float32(0.0)
-        for j in range(PER):
-            i = tid + j * nt
-            vals[j] = x[t, h, i] if i < d else float32(0.0)
-            acc += vals[j] * vals[j]
-        for i in range(tid + PER * nt, d, nt):
-            acc += x[t, h, i] * x[t, h, i]
-        total = block_sum(sh, acc)
+        total = team_sum(sh, acc, team)
         if control:
             total = total / float32(d)
         r = scale / math.sqrt(total + eps)
-        for j in range(PER):
-            i = tid + j * nt
+        if not live:
+            return
+        for j in range(per):
+            i = lane + j * team
             if i < d:
                 out[t, h, i] = vals[j] * r
-        for i in range(tid + PER * nt, d, nt):
+        for i in range(lane + per * team, d, team):
             out[t, h, i] = x[t, h, i] * r
     return l2_norm
 
 
-def _make_gated_rms_norm(control, bits):
-    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
+@functools.cache
+def _gated(control, bits, team, per):
+    load_row = _load_row(team, per)
+
+    @jit
     def gated_rms_norm(x, z, w, out, eps):
-        row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-        t, h = row // x.shape[1], row % x.shape[1]
-        sh = cuda.shared.array(MAXBLOCK, float32)
-        vals = cuda.local.array(PER, float32)
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(per, float32)
+        t, h, lane, live, acc = load_row(x, vals)
         d = x.shape[2]
-        acc = float32(0.0)
-        for j in range(PER):
-            i = tid + j * nt
-            vals[j] = x[t, h, i] if i < d else float32(0.0)
-            acc += vals[j] * vals[j]
-        for i in range(tid + PER * nt, d, nt):
-            acc += x[t, h, i] * x[t, h, i]
-        r = float32(1.0) / math.sqrt(block_sum(sh, acc) / float32(d) + eps)
-        for j in range(PER):
-            i = tid + j * nt
+        r = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
+        if not live:
+            return
+        for j in range(per):
+            i = lane + j * team
             if i < d:
                 _store(out[t], h, i, w[i] * (vals[j] * r) * _gate(z[t, h, i], control), bits)
-        for i in range(tid + PER * nt, d, nt):
+        for i in range(lane + per * team, d, team):
             _store(out[t], h, i, w[i] * (x[t, h, i] * r) * _gate(z[t, h, i], control), bits)
     return gated_rms_norm
-
-
-_rms = {(c, b): _make_rms_norm(c, b) for c in (False, True) for b in (False, True)}
-_l2 = {c: _make_l2_norm(c) for c in (False, True)}
-_gated = {(c, b): _make_gated_rms_norm(c, b) for c in (False, True) for b in (False, True)}
 
 
 def _bits(out):
@@ -132,22 +149,22 @@ def _bits(out):
 def rms_norm(x, w, out, eps, offset, stream=0, control=False):
     """out = x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis of x [L, H, d] (any strides: the
     heads of a column block); w float32 [d]; out float32, or uint16 for bf16 bits (round to nearest even)."""
-    _rms[control, _bits(out)][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](
-        x, w, out, np.float32(eps), np.float32(offset))
+    grid, team, per = _geometry(x)
+    _rms(control, _bits(out), team, per)[grid, BLOCK, stream](x, w, out, np.float32(eps), np.float32(offset))
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
     """out = x / sqrt(sum(x^2) + eps) * scale over the last axis of x [L, H, d] (any strides: the heads of a
     column block) (eps inside the sqrt of the sum)."""
-    _l2[control][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](x, out, np.float32(eps),
-                                                                       np.float32(scale))
+    grid, team, per = _geometry(x)
+    _l2(control, team, per)[grid, BLOCK, stream](x, out, np.float32(eps), np.float32(scale))
 
 
 def gated_rms_norm(x, z, w, out, eps, stream=0, control=False):
     """out = (w * x / sqrt(mean(x^2) + eps)) * silu(z) over the last axis of x, z [L, H, d] (any strides);
     w float32 [d]; out float32 or uint16 (bf16 bits)."""
-    _gated[control, _bits(out)][x.shape[0] * x.shape[1], _threads(x.shape[2]), stream](x, z, w, out,
-                                                                                      np.float32(eps))
+    grid, team, per = _geometry(x)
+    _gated(control, _bits(out), team, per)[grid, BLOCK, stream](x, z, w, out, np.float32(eps))
 
 
 # --- float64 references: the spec of each kernel ----------------------------------------------
@@ -167,13 +184,33 @@ def gated_rms_norm_reference(x, z, w, eps):
     return w.astype(np.float64) * n * (z / (1 + np.exp(-z)))
 
 
+# --- gates: the bound on |kernel - reference| for a reference `ref` over rows of d -----------------------
+def rms_norm_bound(ref, d, bits=False):
+    # the sum of squares carries gamma_d relative error, the 1/sqrt half of it; a few more roundings
+    rel = 0.5 * gamma(d) + 6 * EPS32
+    return (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+
+
+def l2_norm_bound(ref, d):
+    return (0.5 * gamma(d) + 5 * EPS32) * np.abs(ref) + 1e-30
+
+
+def gated_rms_norm_bound(ref, d, bits=False):
+    # as rms_norm, plus silu (exp within 2 ulp, a division, a product); bf16 bits add half a bf16 ulp
+    rel = 0.5 * gamma(d) + 12 * EPS32
+    return (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+
+
 # --- contract --------------------------------------------------------------------------------
-def _make(rng, size):
-    rows, d = (4, 40) if size == "tiny" else (4000, 4096)
-    x = rng.standard_normal((rows, d)).astype(np.float32)
-    x[0] *= np.float32(1e-3)    # a small row, where eps matters
-    return {"x": x, "z": rng.standard_normal((rows, d)).astype(np.float32) * 3,
-            "w": (rng.standard_normal(d) * 0.5).astype(np.float32), "eps": 1e-6}
+def _maker(rows, d):
+    """Inputs of `rows` rows of d at real size (the encoder's: hidden rows 4096, q/k heads 256, GDN heads 128)."""
+    def make(rng, size):
+        r, n = (4, 40) if size == "tiny" else (rows, d)
+        x = rng.standard_normal((r, n)).astype(np.float32)
+        x[0] *= np.float32(1e-3)    # a small row, where eps matters
+        return {"x": x, "z": rng.standard_normal((r, n)).astype(np.float32) * 3,
+                "w": (rng.standard_normal(n) * 0.5).astype(np.float32), "eps": 1e-6}
+    return make
 
 
 def _device(inp, *names):
@@ -204,9 +241,7 @@ def _run_rms(inp, control, bits=False):
 
 def _ref_rms(inp, bits=False):
     ref = rms_norm_reference(inp["x"], inp["w"], inp["eps"], 1.0)
-    # the sum of squares carries gamma_D relative error, the 1/sqrt half of it; a few more roundings
-    rel = 0.5 * gamma(inp["x"].shape[1]) + 6 * EPS32
-    bound = (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+    bound = rms_norm_bound(ref, inp["x"].shape[1], bits)
     return np.concatenate([ref, ref]), np.concatenate([bound, bound])
 
 
@@ -220,7 +255,7 @@ def _run_l2(inp, control):
 
 def _ref_l2(inp):
     ref = l2_norm_reference(inp["x"], inp["eps"], 0.25)
-    return ref, (0.5 * gamma(inp["x"].shape[1]) + 5 * EPS32) * np.abs(ref) + 1e-30
+    return ref, l2_norm_bound(ref, inp["x"].shape[1])
 
 
 def _run_gated(inp, control, bits=False):
@@ -238,17 +273,15 @@ def _run_gated(inp, control, bits=False):
 
 def _ref_gated(inp, bits=False):
     ref = gated_rms_norm_reference(inp["x"], inp["z"], inp["w"], inp["eps"])
-    # as rms_norm, plus silu (exp within 2 ulp, a division, a product); bf16 bits add half a bf16 ulp
-    rel = 0.5 * gamma(inp["x"].shape[1]) + 12 * EPS32
-    return ref, (bf16_bound(rel) if bits else rel) * np.abs(ref) + 1e-30
+    return ref, gated_rms_norm_bound(ref, inp["x"].shape[1], bits)
 
 
 CASES = [
-    Case("rms_norm", _make, _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
-    Case("l2_norm", _make, _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
-    Case("rms_norm_bf16_out", _make, lambda i, c: _run_rms(i, c, True), lambda i: _ref_rms(i, True),
+    Case("rms_norm", _maker(16384, 256), _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
+    Case("l2_norm", _maker(16384, 128), _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
+    Case("rms_norm_bf16_out", _maker(4000, 4096), lambda i, c: _run_rms(i, c, True), lambda i: _ref_rms(i, True),
          notes="control: plain w where zero-centred needs 1 + w"),
-    Case("gated_rms_norm", _make, _run_gated, _ref_gated, notes="control: sigmoid(z) gate instead of silu(z)"),
-    Case("gated_rms_norm_bf16_out", _make, lambda i, c: _run_gated(i, c, True), lambda i: _ref_gated(i, True),
-         notes="control: sigmoid(z) gate instead of silu(z)"),
+    Case("gated_rms_norm", _maker(4000, 4096), _run_gated, _ref_gated, notes="control: sigmoid(z) gate instead of silu(z)"),
+    Case("gated_rms_norm_bf16_out", _maker(32768, 128), lambda i, c: _run_gated(i, c, True),
+         lambda i: _ref_gated(i, True), notes="control: sigmoid(z) gate instead of silu(z)"),
 ]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
-#   bash scripts/gpu_run.sh contract bench tests encoder
+#   bash scripts/gpu_run.sh contract bench kernels tests encoder
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -23,6 +23,7 @@ for step in "$@"; do
     bench) python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     tests) python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_contract.py -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
+    kernels) python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     encoder) python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
     resources) python3 scripts/gpu_resources.py 2>&1 | tee "$OUT/resources.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
