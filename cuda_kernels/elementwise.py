@@ -1,4 +1,5 @@
-"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU."""
+"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU, the
+sigmoid gate."""
 
 import functools
 import math

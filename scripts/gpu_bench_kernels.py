@@ -383,7 +383,7 @@ class Timer:
     def _calibrate(self):
         if SIMULATED:
             return 0
-        n = 1 << 16
+        n = 1 << 20     # a few ms: the launch's host time is small beside it
         self._ms(lambda: _spin[1, 1](self.scratch, n))
         return int(n / max(self._ms(lambda: _spin[1, 1](self.scratch, n)), 1e-3))
 
