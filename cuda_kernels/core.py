@@ -121,26 +121,42 @@ def block_max(sh, value):
     return total
 
 
+# Row teams: team threads per row (a power of two), about TEAM_PER of the row's elements each in registers,
+# up to TEAM_PER_MAX once the team is a whole block. The simulator pays per thread and has no shuffles: small
+# teams there, and rows longer than team x per (read twice) already at tiny sizes.
+TEAM_MIN, TEAM_MAX = (8, 8) if SIMULATED else (16, BLOCK)
+TEAM_PER, TEAM_PER_MAX = (4, 4) if SIMULATED else (8, 16)
+
+
+def row_team(d):
+    """(team, per) for rows of d elements; BLOCK // team rows per block."""
+    team = TEAM_MIN
+    while team < TEAM_MAX and team * TEAM_PER < d:
+        team *= 2
+    return team, max(1, min(TEAM_PER_MAX, -(-d // team)))
+
+
 @jit(device=True, forceinline=True)
-def team_sum(sh, value, team):
-    """Sum of `value` over each aligned group of `team` threads (a power of two dividing blockDim.x, a multiple
-    of 32; every thread of the block calls it). GPU: xor shuffles (they stay inside an aligned team), and teams
-    wider than a warp add their warps' partials through sh (>= blockDim.x / 32 floats). Simulator: a tree in
-    sh (>= blockDim.x floats)."""
+def team_reduce(sh, value, team, maximum):
+    """Sum (or max) of `value` over each aligned group of `team` threads (a power of two dividing blockDim.x,
+    a multiple of 32; every thread of the block calls it). GPU: xor shuffles (they stay inside an aligned
+    team), and teams wider than a warp combine their warps' partials through sh (>= blockDim.x / 32 floats).
+    Simulator: a tree in sh (>= blockDim.x floats)."""
     tid = cuda.threadIdx.x
     if not SIMULATED:
         for step in (16, 8, 4, 2, 1):
             if step < team:
-                value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+                other = cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
+                value = max(value, other) if maximum else value + other
         if team <= 32:
             return value
         if tid % 32 == 0:
             sh[tid // 32] = value
         cuda.syncthreads()
         first = (tid - tid % team) // 32
-        total = float32(0.0)
-        for w in range(team // 32):
-            total += sh[first + w]
+        total = sh[first]
+        for w in range(1, team // 32):
+            total = max(total, sh[first + w]) if maximum else total + sh[first + w]
         cuda.syncthreads()
         return total
     sh[tid] = value
@@ -148,12 +164,22 @@ def team_sum(sh, value, team):
     step = team // 2
     while step > 0:
         if tid % team < step:
-            sh[tid] += sh[tid + step]
+            sh[tid] = max(sh[tid], sh[tid + step]) if maximum else sh[tid] + sh[tid + step]
         cuda.syncthreads()
         step //= 2
     total = sh[tid - tid % team]
     cuda.syncthreads()
     return total
+
+
+@jit(device=True, forceinline=True)
+def team_sum(sh, value, team):
+    return team_reduce(sh, value, team, False)
+
+
+@jit(device=True, forceinline=True)
+def team_max(sh, value, team):
+    return team_reduce(sh, value, team, True)
 
 
 def heads_view(rows, start, heads, d):

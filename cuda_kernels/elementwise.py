@@ -1,4 +1,5 @@
-"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU."""
+"""Elementwise kernels: float32 -> bf16 cast, unary activations, binary ops with trailing broadcast, SwiGLU, the
+sigmoid gate."""
 
 import functools
 import math
@@ -136,7 +137,7 @@ def _tiles(rows, n):
 def _swiglu(control, bits, team):
     per = TILE_PER
 
-    @jit
+    @jit(launch_bounds=(BLOCK, 5))     # five blocks per SM (no spills at TILE_PER): more loads in flight
     def swiglu(gate, up, out):
         r = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         first = cuda.blockIdx.y * (team * per) + cuda.threadIdx.x % team
@@ -171,7 +172,7 @@ def swiglu(gate, up, out, stream=0, control=False):
 def _sigmoid_gate(control, bits, team):
     per = TILE_PER
 
-    @jit
+    @jit(launch_bounds=(BLOCK, 5))     # as swiglu
     def sigmoid_gate(x, g, out):
         r = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         first = cuda.blockIdx.y * (team * per) + cuda.threadIdx.x % team

@@ -1,8 +1,8 @@
 """Row normalisations: RMSNorm (plain or zero-centred), the L2 norm of GDN q/k, the gated RMSNorm.
 
-A team of threads per row (a warp for head-sized rows, up to BLOCK for hidden rows), several rows per
-block; each thread keeps `per` of the row's elements in registers between the sum of squares and the write
-(the row is read once up to team x per elements). The RMSNorms can write bf16 bits, the next product's operand.
+A team of threads per row (core.row_team: 16 or 32 for head-sized rows, a whole block for hidden rows),
+several rows per block; each thread keeps `per` of the row's elements in registers between the sum of
+squares and the write (the row is read once up to team x per elements). The RMSNorms can write bf16 bits, the next product's operand.
 """
 
 import functools
@@ -11,26 +11,13 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from .core import (BLOCK, EPS32, SHARED, SIMULATED, Case, bf16_bound, from_bf16_bits, gamma, heads_view, jit, narrow,
+from .core import (BLOCK, EPS32, SHARED, Case, bf16_bound, from_bf16_bits, gamma, heads_view, jit, narrow, row_team,
                    team_sum)
-
-# the simulator pays per thread and has no shuffles: small teams, and rows longer than team x per there
-TEAM_MIN, TEAM_MAX = (8, 8) if SIMULATED else (16, BLOCK)
-PER, PER_MAX = (4, 4) if SIMULATED else (8, 16)
-
-
-def _team(d):
-    """(team, per) for rows of d: team threads per row (a power of two) with about PER row elements each in
-    registers, up to PER_MAX once the team is a whole block (longer rows read the rest twice)."""
-    team = TEAM_MIN
-    while team < TEAM_MAX and team * PER < d:
-        team *= 2
-    return team, max(1, min(PER_MAX, -(-d // team)))
 
 
 def _geometry(x):
     """(grid, team, per) for the rows of x [L, H, d], BLOCK // team rows per block."""
-    team, per = _team(x.shape[2])
+    team, per = row_team(x.shape[2])
     return -(-(x.shape[0] * x.shape[1]) // (BLOCK // team)), team, per
 
 

@@ -4,17 +4,14 @@ Attention is two float32 strided-batched cuBLAS products (TF32 tensor cores) aro
 kernel: scores [Hq, L, S] = q k^T per head, softmax(scale * scores) with the causal mask, then p v.
 """
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32
 
-from .core import BLOCK, EPS32, SIMULATED, WARP, Case, block_max, block_sum, gamma, heads_view, jit
+from .core import BLOCK, EPS32, SHARED, SIMULATED, Case, gamma, heads_view, jit, row_team, team_max, team_sum
 from .gemm import EPS_TF32, OP_N, OP_T, blas
-
-MAXBLOCK = 1024
-PER = 4            # scores per thread held in registers
-
 
 def _make_rope(control):
     @jit
@@ -42,46 +39,55 @@ def _make_rope(control):
     return rope
 
 
-def _make_softmax(control):
-    @jit(max_registers=64)     # 1024-thread blocks must launch: 64 x 1024 = the SM's registers
+@functools.cache
+def _softmax(control, team, per):
+    @jit(launch_bounds=(BLOCK, 4))     # four blocks per SM: enough scores in flight
     def softmax(s, scale, causal):
-        row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
-        sh = cuda.shared.array(MAXBLOCK, float32)
-        vals = cuda.local.array(PER, float32)     # the row's first PER * nt scores stay in registers
+        # a team of threads per row of s [B, L, S], per scores each in registers (core.row_team)
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(per, float32)
+        row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        lane = cuda.threadIdx.x % team
         n_q, n_k = s.shape[1], s.shape[2]
+        live = row < s.shape[0] * n_q
         h, t = row // n_q, row % n_q
         last = n_k - 1
         if causal:
             last = t + n_k - n_q - (1 if control else 0)
+        if not live:
+            last = -1
+        # keys past `last` are masked: never read, written as zeros
         m = -math.inf
-        for j in range(PER):
-            i = tid + j * nt
+        for j in range(per):
+            i = lane + j * team
             vals[j] = s[h, t, i] * scale if i <= last else -math.inf
             m = max(m, vals[j])
-        for i in range(tid + PER * nt, last + 1, nt):
+        for i in range(lane + per * team, last + 1, team):
             m = max(m, s[h, t, i] * scale)
-        m = block_max(sh, m)
+        m = team_max(sh, m, team)
         acc = float32(0.0)
-        for j in range(PER):
-            i = tid + j * nt
+        for j in range(per):
+            i = lane + j * team
             vals[j] = math.exp(vals[j] - m) if i <= last else float32(0.0)
             acc += vals[j]
-        for i in range(tid + PER * nt, n_k, nt):
-            p = math.exp(s[h, t, i] * scale - m) if i <= last else float32(0.0)
+        for i in range(lane + per * team, last + 1, team):
+            p = math.exp(s[h, t, i] * scale - m)
             s[h, t, i] = p
             acc += p
-        inv = float32(1.0) / block_sum(sh, acc)
-        for j in range(PER):
-            i = tid + j * nt
+        total = team_sum(sh, acc, team)
+        if not live:
+            return
+        inv = float32(1.0) / total
+        for j in range(per):
+            i = lane + j * team
             if i < n_k:
                 s[h, t, i] = vals[j] * inv
-        for i in range(tid + PER * nt, last + 1, nt):
-            s[h, t, i] *= inv
+        for i in range(lane + per * team, n_k, team):
+            s[h, t, i] = s[h, t, i] * inv if i <= last else float32(0.0)
     return softmax
 
 
 _rope = {c: _make_rope(c) for c in (False, True)}
-_softmax = {c: _make_softmax(c) for c in (False, True)}
 
 
 def rope(x, cos, sin, out, stream=0, control=False):
@@ -92,10 +98,9 @@ def rope(x, cos, sin, out, stream=0, control=False):
 
 def softmax(s, scale, causal, stream=0, control=False):
     """In place: s [B, L, S] <- softmax over S of scale * s; causal keeps keys j <= t + S - L."""
-    threads, most = WARP, BLOCK if SIMULATED else MAXBLOCK
-    while threads < most and threads * PER < s.shape[2]:
-        threads *= 2
-    _softmax[control][s.shape[0] * s.shape[1], threads, stream](s, np.float32(scale), bool(causal))
+    team, per = row_team(s.shape[2])
+    grid = -(-(s.shape[0] * s.shape[1]) // (BLOCK // team))
+    _softmax(control, team, per)[grid, BLOCK, stream](s, np.float32(scale), bool(causal))
 
 
 def attention(q, k, v, out, scale, causal, scores, stream=0, control=False):
@@ -183,7 +188,7 @@ def _ref_rope(inp):
 
 
 def _make_softmax_inputs(rng, size):
-    h, n = (2, 5) if size == "tiny" else (16, 1000)
+    h, n = (1, 34) if size == "tiny" else (16, 1000)    # tiny: rows longer than the simulator's team x per
     return {"s": (rng.standard_normal((h, n, n)) * 8).astype(np.float32), "scale": 0.0625}
 
 
@@ -193,13 +198,17 @@ def _run_softmax(inp, control):
     return s.copy_to_host()
 
 
-def _ref_softmax(inp):
-    p = softmax_reference(inp["s"], inp["scale"], True)
-    y = np.abs(inp["s"].astype(np.float64) * inp["scale"])
-    n = inp["s"].shape[-1]
+def softmax_bound(s, scale, p):
+    """The gate of softmax(scale s) = p (float64 reference)."""
+    y = np.abs(s.astype(np.float64) * scale)
     # exp's argument carries 2 roundings of |scale s| + |max|; exp 2 ulp; the sum gamma_S; the division 1
     arg = 2 * EPS32 * (y + y.max(axis=-1, keepdims=True))
-    return p, p * (arg + arg.max(axis=-1, keepdims=True) + 2 * gamma(n) + 6 * EPS32) + 1e-30
+    return p * (arg + arg.max(axis=-1, keepdims=True) + 2 * gamma(s.shape[-1]) + 6 * EPS32) + 1e-30
+
+
+def _ref_softmax(inp):
+    p = softmax_reference(inp["s"], inp["scale"], True)
+    return p, softmax_bound(inp["s"], inp["scale"], p)
 
 
 def _make_attention_inputs(rng, size):

@@ -1,5 +1,5 @@
-"""Row norms and elementwise kernels on the GPU: the library's kernels against the previous ones (kept below,
-only here) at the Qwen3.5-9B encoder's shapes and strides, L = 112 and 1024 tokens.
+"""Row norms, elementwise kernels and the causal softmax on the GPU: the library's kernels against the previous
+ones (kept below, only here) at the Qwen3.5-9B encoder's shapes and strides, L = 112 and 1024 tokens.
 
     python scripts/gpu_bench_kernels.py --out kernels.json
     NUMBA_ENABLE_CUDASIM=1 python scripts/gpu_bench_kernels.py --tiny --out /tmp/kernels.json   # dry run
@@ -12,6 +12,7 @@ kernel's gate against the float64 reference, and to each other within two gates;
 """
 
 import argparse
+import collections
 import json
 import math
 import statistics
@@ -21,8 +22,8 @@ import time
 import numpy as np
 from numba import cuda, float32
 
-from cuda_kernels import elementwise, norms
-from cuda_kernels.core import BLOCK, SIMULATED, WARP, block_sum, from_bf16_bits, gate, jit, narrow
+from cuda_kernels import elementwise, norms, rope_attention
+from cuda_kernels.core import BLOCK, SIMULATED, WARP, block_max, block_sum, from_bf16_bits, gate, jit, narrow
 
 # encoder dimensions (Qwen3.5-9B) and a tiny set with the same structure for the simulator
 FULL = dict(hidden=4096, heads=16, kv=4, hd=256, gk=16, dk=128, gv=32, dv=128, inter=12288, lengths=(112, 1024))
@@ -160,6 +161,42 @@ def _old_make_sigmoid_gate(bits):
     return sigmoid_gate
 
 
+@jit(max_registers=64)
+def _old_softmax(s, scale, causal):
+    row, tid, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    sh = cuda.shared.array(OLD_MAXBLOCK, float32)
+    vals = cuda.local.array(OLD_PER, float32)
+    n_q, n_k = s.shape[1], s.shape[2]
+    h, t = row // n_q, row % n_q
+    last = n_k - 1
+    if causal:
+        last = t + n_k - n_q
+    m = -math.inf
+    for j in range(OLD_PER):
+        i = tid + j * nt
+        vals[j] = s[h, t, i] * scale if i <= last else -math.inf
+        m = max(m, vals[j])
+    for i in range(tid + OLD_PER * nt, last + 1, nt):
+        m = max(m, s[h, t, i] * scale)
+    m = block_max(sh, m)
+    acc = float32(0.0)
+    for j in range(OLD_PER):
+        i = tid + j * nt
+        vals[j] = math.exp(vals[j] - m) if i <= last else float32(0.0)
+        acc += vals[j]
+    for i in range(tid + OLD_PER * nt, n_k, nt):
+        p = math.exp(s[h, t, i] * scale - m) if i <= last else float32(0.0)
+        s[h, t, i] = p
+        acc += p
+    inv = float32(1.0) / block_sum(sh, acc)
+    for j in range(OLD_PER):
+        i = tid + j * nt
+        if i < n_k:
+            s[h, t, i] = vals[j] * inv
+    for i in range(tid + OLD_PER * nt, last + 1, nt):
+        s[h, t, i] *= inv
+
+
 _OLD = {"rms": {b: _old_make_rms(b) for b in (False, True)}, "gated": {b: _old_make_gated(b) for b in (False, True)},
         "swiglu": {b: _old_make_swiglu(b) for b in (False, True)},
         "sigmoid_gate": {b: _old_make_sigmoid_gate(b) for b in (False, True)}}
@@ -194,6 +231,10 @@ def old_sigmoid_gate(x, g, out):
     _OLD["sigmoid_gate"][_bits(out)][grid, BLOCK](x, g, out)
 
 
+def old_softmax(s, scale, causal):
+    _old_softmax[s.shape[0] * s.shape[1], _old_threads(s.shape[2])](s, np.float32(scale), bool(causal))
+
+
 # --- inputs as the encoder hands them over ---------------------------------------------------
 class Inputs:
     """Host arrays and their device copies; `view` makes the strided views the op table's split/reshape make."""
@@ -217,8 +258,13 @@ class Inputs:
         return hv, DeviceNDArray(shape, tuple(s * item for s in strides), dev.dtype, gpu_data=block.gpu_data)
 
 
+# a kernel's benchmark: bytes it must move, the new and old launches, the output they write, its float64
+# reference and gate; reset() restores the inputs of an in-place kernel (else the output is filled with NaN)
+Bench = collections.namedtuple("Bench", "name nbytes new old out ref bound reset", defaults=(None,))
+
+
 def cases(dims, L, rng):
-    """(name, bytes, new launch, old launch, out, reference, bound) per kernel at L tokens."""
+    """The Bench of each kernel at L tokens."""
     inp = Inputs(rng)
     hid, H, KV, hd = dims["hidden"], dims["heads"], dims["kv"], dims["hd"]
     gk, dk, gv, dv, inter = dims["gk"], dims["dk"], dims["gv"], dims["dv"], dims["inter"]
@@ -234,7 +280,7 @@ def cases(dims, L, rng):
         x3 = xd.reshape(L, 1, hid)
         w = cuda.to_device(w_h)
         ref = norms.rms_norm_reference(xh.reshape(L, 1, hid), w_h, EPS, 1.0)
-        out.append((f"rms_norm hidden -> {'bf16' if bits else 'f32'}", L * hid * (4 + (2 if bits else 4)) + hid * 4,
+        out.append(Bench(f"rms_norm hidden -> {'bf16' if bits else 'f32'}", L * hid * (4 + (2 if bits else 4)) + hid * 4,
                     lambda x3=x3, w=w, o=o: norms.rms_norm(x3, w, o, EPS, 1.0),
                     lambda x3=x3, w=w, o=o: old_rms_norm(x3, w, o, EPS, 1.0), o, ref, norms.rms_norm_bound(ref, hid, bits)))
 
@@ -246,7 +292,7 @@ def cases(dims, L, rng):
         o = cuda.device_array((L, heads, hd), np.float32)
         w = cuda.to_device(w_hd)
         ref = norms.rms_norm_reference(xv_h, w_hd, EPS, 1.0)
-        out.append((f"rms_norm {name} heads", L * heads * hd * 8 + hd * 4,
+        out.append(Bench(f"rms_norm {name} heads", L * heads * hd * 8 + hd * 4,
                     lambda xv=xv, w=w, o=o: norms.rms_norm(xv, w, o, EPS, 1.0),
                     lambda xv=xv, w=w, o=o: old_rms_norm(xv, w, o, EPS, 1.0), o, ref, norms.rms_norm_bound(ref, hd)))
 
@@ -256,7 +302,7 @@ def cases(dims, L, rng):
     gh, gd = inp.view(ph, pd, hd, (L, H, hd), (wide, 2 * hd, 1))
     o = cuda.device_array((L, H, hd), np.uint16)
     ref = elementwise.sigmoid_gate_reference(a3h, gh)
-    out.append(("sigmoid_gate -> bf16", L * H * hd * 10, lambda o=o: elementwise.sigmoid_gate(a3, gd, o),
+    out.append(Bench("sigmoid_gate -> bf16", L * H * hd * 10, lambda o=o: elementwise.sigmoid_gate(a3, gd, o),
                 lambda o=o: old_sigmoid_gate(a3, gd, o), o, ref, elementwise.sigmoid_gate_bound(ref)))
 
     # GDN q after the conv: a column block of the dense [L, 2 gk dk + gv dv] conv output, scaled L2 norm
@@ -265,7 +311,7 @@ def cases(dims, L, rng):
     qh, qd = inp.view(ch, cd, 0, (L, gk, dk), (conv, dk, 1))
     o = cuda.device_array((L, gk, dk), np.float32)
     ref = norms.l2_norm_reference(qh, EPS, dk ** -0.5)
-    out.append(("l2_norm q heads", L * gk * dk * 8, lambda o=o: norms.l2_norm(qd, o, EPS, dk ** -0.5),
+    out.append(Bench("l2_norm q heads", L * gk * dk * 8, lambda o=o: norms.l2_norm(qd, o, EPS, dk ** -0.5),
                 lambda o=o: old_l2_norm(qd, o, EPS, dk ** -0.5), o, ref, norms.l2_norm_bound(ref, dk)))
 
     # gated RMSNorm: delta-rule output [L, gv, dv] dense, z a column block of [L, gv dv (qkv) | gv dv | gv | gv]
@@ -277,7 +323,7 @@ def cases(dims, L, rng):
     w = cuda.to_device(w_dv)
     o = cuda.device_array((L, gv, dv), np.uint16)
     ref = norms.gated_rms_norm_reference(o3h, zh, w_dv, EPS)
-    out.append(("gated_rms_norm -> bf16", L * gv * dv * 10 + dv * 4,
+    out.append(Bench("gated_rms_norm -> bf16", L * gv * dv * 10 + dv * 4,
                 lambda o=o, w=w: norms.gated_rms_norm(o3, zd, w, o, EPS),
                 lambda o=o, w=w: old_gated_rms_norm(o3, zd, w, o, EPS), o, ref, norms.gated_rms_norm_bound(ref, dv, True)))
 
@@ -286,8 +332,17 @@ def cases(dims, L, rng):
     o = cuda.device_array((L, inter), np.uint16)
     g2, u2 = ud[:, :inter], ud[:, inter:]
     ref = elementwise.swiglu_reference(uh[:, :inter], uh[:, inter:])
-    out.append(("swiglu -> bf16", L * inter * 10, lambda o=o: elementwise.swiglu(g2, u2, o),
+    out.append(Bench("swiglu -> bf16", L * inter * 10, lambda o=o: elementwise.swiglu(g2, u2, o),
                 lambda o=o: old_swiglu(g2, u2, o), o, ref, elementwise.swiglu_bound(ref)))
+
+    # causal softmax in place over the attention scores [H, L, L]: reads keys up to the diagonal, writes rows
+    sh_ = (rng.standard_normal((H, L, L)) * 8).astype(np.float32)
+    sd = cuda.to_device(sh_)
+    scale = hd ** -0.5
+    ref = rope_attention.softmax_reference(sh_, scale, True)
+    out.append(Bench("softmax causal (in place)", H * (L * (L + 1) // 2) * 4 + H * L * L * 4,
+                     lambda: rope_attention.softmax(sd, scale, True), lambda: old_softmax(sd, scale, True), sd, ref,
+                     rope_attention.softmax_bound(sh_, scale, ref), lambda: sd.copy_to_device(sh_)))
     return out
 
 
@@ -328,7 +383,7 @@ class Timer:
     def _calibrate(self):
         if SIMULATED:
             return 0
-        n = 1 << 16
+        n = 1 << 20     # a few ms: the launch's host time is small beside it
         self._ms(lambda: _spin[1, 1](self.scratch, n))
         return int(n / max(self._ms(lambda: _spin[1, 1](self.scratch, n)), 1e-3))
 
@@ -393,12 +448,13 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows, ok = [], True
     for L in dims["lengths"]:
-        for name, nbytes, new, old, out, ref, bound in cases(dims, L, rng):
+        for name, nbytes, new, old, out, ref, bound, reset in cases(dims, L, rng):
             start = time.perf_counter()
-            _poison(out)
+            reset = reset or (lambda: _poison(out))
+            reset()
             old()
             got_old = _host(out)
-            _poison(out)
+            reset()
             new()
             got_new = _host(out)
             pass_new, worst_new = gate(got_new, ref, bound)
