@@ -473,8 +473,12 @@ def main(argv=None):
                   f"{'pass' if pass_new else 'FAIL'} ({worst_new:.2g}) | {'pass' if pass_old else 'FAIL'} "
                   f"({worst_old:.2g}) | {'agree' if agree else 'DIFFER'} ({worst_pair:.2g}) |")
             sys.stdout.flush()
+    def finite(v):     # strict JSON: no NaN (the simulator times nothing)
+        return v if not isinstance(v, float) or math.isfinite(v) else None
+    result = {"device": device, "reps": reps, "copy_GBps": {k: finite(v) for k, v in copy.items()},
+              "rows": [{k: finite(v) for k, v in r.items()} for r in rows], "ok": bool(ok)}
     with open(args.out, "w") as f:
-        json.dump({"device": device, "reps": reps, "copy_GBps": copy, "rows": rows, "ok": bool(ok)}, f, indent=1)
+        json.dump(result, f, indent=1, allow_nan=False)
     print("all gates pass" if ok else "SOME GATE FAILED")
     return 0 if ok else 1
 
