@@ -6,10 +6,12 @@ the output is float32 or bf16. The algorithm is chosen once per shape (heuristic
 GPU only: the simulator has no cuBLAS.
 """
 
-import numpy as np
-from numba import cuda
+import time
 
-from .core import EPS16, Case, from_bf16_bits, gamma, to_bf16_bits
+import numpy as np
+from numba import cuda, float32
+
+from .core import EPS16, Case, from_bf16_bits, gamma, jit, to_bf16_bits
 
 R_16BF, R_32F = 14, 0          # cudaDataType
 COMPUTE_32F = 68               # cublasComputeType_t
@@ -18,6 +20,13 @@ EPS_TF32 = 2.0 ** -10          # TF32 keeps 10 mantissa bits: the input conversi
 OP_N, OP_T = 0, 1
 WORKSPACE = 32 << 20
 CANDIDATES = 16                # heuristic algorithms asked for (timed when tuning)
+WIDE_CANDIDATES = 48           # asked for when the search is widened (small outputs)
+SPLITS = (2, 3, 4, 6, 8, 12, 16)
+# Split-K variants are tried when the output has fewer 128 x 128 tiles than this many waves of SMs: there
+# the heuristic's kernels leave SMs idle and the product is bound by reading the weight.
+WIDE_WAVES = 4
+TIMED_CALLS = 5
+FINALISTS = 4                  # timed again over more calls, the fastest kept
 
 
 def pointer(a):
@@ -40,10 +49,101 @@ def _set(setter, obj, attr, value, dtype):
     setter(obj, int(attr), buf.ctypes.data, buf.itemsize)
 
 
+@jit
+def _spin(n, sink):
+    """One thread through n dependent float32 FMAs: keeps the stream busy while the host queues work."""
+    acc = float32(0.0)
+    for _ in range(n):
+        acc = acc * float32(0.5) + float32(1.0)
+    if acc < float32(0.0):                 # never; keeps the loop
+        sink[0] = acc
+
+
+class GpuTimer:
+    """ms per call of fn() on the GPU alone: the stream (0) is held by a spin kernel while the calls are
+    queued, so host launch costs (tens of us per cuBLASLt call from Python, more than a small product
+    takes) do not leave the GPU idle between them. The hold grows when queueing outlasted it."""
+
+    def __init__(self):
+        self.sink = cuda.device_array(1, np.float32)
+        self.per_ms = None                 # spin iterations per ms, measured on first use
+        self.hold_ms = 1.0
+
+    def _calibrate(self):
+        n = 1 << 16
+        _spin[1, 1](n, self.sink)          # compiles
+        start, stop = cuda.event(), cuda.event()
+        start.record()
+        _spin[1, 1](n, self.sink)
+        stop.record()
+        stop.synchronize()
+        self.per_ms = n / max(cuda.event_elapsed_time(start, stop), 1e-3)
+
+    def __call__(self, fn, calls):
+        if self.per_ms is None:
+            self._calibrate()
+        for _ in range(3):
+            fn()                           # warm-up (also compiles or plans what the first call does)
+            cuda.synchronize()
+            start, stop = cuda.event(), cuda.event()
+            _spin[1, 1](int(self.per_ms * self.hold_ms), self.sink)
+            queued = time.perf_counter()
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            queued = (time.perf_counter() - queued) * 1e3
+            stop.synchronize()
+            ms = cuda.event_elapsed_time(start, stop) / calls
+            if queued < 0.8 * self.hold_ms:
+                return ms
+            self.hold_ms = 2 * queued      # the GPU may have waited for the host: again, held longer
+        return ms
+
+
+def _get(getter, obj, attr, dtype=np.uint32):
+    buf = np.zeros(1, dtype)
+    written = np.zeros(1, np.uint64)
+    getter(obj, int(attr), buf.ctypes.data, buf.itemsize, written.ctypes.data)
+    return int(buf[0])
+
+
+def _row(results, i):
+    """Address of the algorithm struct of heuristic result i (the struct is the record's first field)."""
+    return results.ctypes.data + i * results.itemsize + results.dtype.fields["algo"][1]
+
+
+def _config(lt, ptr, attr):
+    """One configuration attribute of the algorithm struct at `ptr` (in the attribute's own type)."""
+    return _get(lt.matmul_algo_config_get_attribute, ptr, attr, lt.get_matmul_algo_config_attribute_dtype(attr))
+
+
+def _capability(lt, ptr, attr):
+    """One scalar capability attribute of the algorithm struct at `ptr`."""
+    return _get(lt.matmul_algo_cap_get_attribute, ptr, attr, lt.get_matmul_algo_cap_attribute_dtype(attr))
+
+
+def algo_config(lt, ptr):
+    """(id, tile, split-K, reduction scheme, stages, cluster shape) of the algorithm struct at `ptr`; tile
+    is the cuBLASLt name ("128x64") where known, else its number; None for a field that cannot be read."""
+    C = lt.MatmulAlgoConfigAttribute
+    fields = []
+    for attr in (C.ID, C.TILE_ID, C.SPLITK_NUM, C.REDUCTION_SCHEME, C.STAGES_ID, C.CLUSTER_SHAPE_ID):
+        try:
+            fields.append(_config(lt, ptr, attr))
+        except Exception:
+            fields.append(None)
+    try:
+        fields[1] = lt.MatmulTile(fields[1]).name.removeprefix("TILE_")
+    except ValueError:
+        pass
+    return tuple(fields)
+
+
 class Blas:
     """One cuBLASLt + cuBLAS handle pair, a workspace and the per-shape algorithm cache."""
 
-    def __init__(self, tune=False):
+    def __init__(self, tune=False, widen=True):
         from nvmath.bindings import cublas, cublasLt
         self.lt, self.cb = cublasLt, cublas
         self.lt_handle = cublasLt.create()
@@ -51,6 +151,9 @@ class Blas:
         self.workspace = cuda.device_array(WORKSPACE, np.uint8)
         self.cb.set_workspace(self.cb_handle, pointer(self.workspace), WORKSPACE)
         self.tune = tune
+        self.widen = widen             # when tuning small outputs, time split-K variants too
+        self._sms = None
+        self._timer = None
         self._plans = {}
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
@@ -71,19 +174,82 @@ class Blas:
         a_layout = lt.matrix_layout_create(R_16BF, k, n, k)    # the weight, [N, K] row-major
         b_layout = lt.matrix_layout_create(R_16BF, k, m, k)    # the activations, [M, K] row-major
         c_layout = lt.matrix_layout_create(out_type, n, m, n)
-        pref = lt.matmul_preference_create()
-        _set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
-             WORKSPACE, np.uint64)
-        found = np.zeros(CANDIDATES, dtype=lt.matmul_heuristic_result_dtype)
-        count = np.zeros(1, np.int32)
-        lt.matmul_algo_get_heuristic(self.lt_handle, desc, a_layout, b_layout, c_layout, c_layout, pref,
-                                     len(found), found.ctypes.data, count.ctypes.data)
-        if count[0] == 0:
+        wide = self.tune and self.widen and self._few_tiles(m, n)
+        found = self._heuristic(desc, a_layout, b_layout, c_layout, WIDE_CANDIDATES if wide else CANDIDATES)
+        if len(found) == 0:
             raise RuntimeError(f"cuBLASLt has no algorithm for M={m} N={n} K={k}")
+        heuristic = len(found)
+        if wide:
+            found = np.concatenate([found, self._split_variants(found, desc, (a_layout, b_layout, c_layout),
+                                                                 k, out_type)])
         plan = {"desc": desc, "layouts": (a_layout, b_layout, c_layout), "found": found, "choice": 0,
-                "count": int(count[0])}
+                "count": len(found), "heuristic": heuristic}
         self._plans[key] = plan
         return plan
+
+    def _few_tiles(self, m, n):
+        """True when the output [N, M] has fewer 128 x 128 tiles than WIDE_WAVES waves of the GPU's SMs."""
+        if self._sms is None:
+            self._sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        return -(-m // 128) * -(-n // 128) < WIDE_WAVES * self._sms
+
+    def _heuristic(self, desc, a_layout, b_layout, c_layout, count):
+        lt = self.lt
+        pref = lt.matmul_preference_create()
+        try:
+            _set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
+                 WORKSPACE, np.uint64)
+            found = np.zeros(count, dtype=lt.matmul_heuristic_result_dtype)
+            got = np.zeros(1, np.int32)
+            lt.matmul_algo_get_heuristic(self.lt_handle, desc, a_layout, b_layout, c_layout, c_layout, pref,
+                                         count, found.ctypes.data, got.ctypes.data)
+        finally:
+            lt.matmul_preference_destroy(pref)
+        return found[:int(got[0])].copy()
+
+    def _split_variants(self, found, desc, layouts, k, out_type):
+        """Split-K copies of the heuristic's algorithms that cuBLASLt accepts (matmul_algo_check), one per
+        (algorithm, split, reduction scheme), skipping duplicates and any the library refuses.
+
+        Reduction schemes, all deterministic (each output is summed in a fixed order): COMPUTE_TYPE keeps
+        the float32 partial sums in the workspace and adds them in a separate kernel; INPLACE (float32 output
+        only) adds them into the output in a fixed sequence that counters in the workspace enforce. Not
+        OUTPUT_TYPE: for a bf16 output its partial sums would be rounded to bf16."""
+        lt, C, cap = self.lt, self.lt.MatmulAlgoConfigAttribute, self.lt.MatmulAlgoCapAttribute
+        schemes = [int(lt.ReductionScheme.COMPUTE_TYPE)]
+        if out_type == R_32F:
+            schemes.append(int(lt.ReductionScheme.INPLACE))
+        seen = {found[i]["algo"].tobytes() for i in range(len(found))}
+        out = []
+        for i in range(len(found)):
+            try:
+                if _capability(lt, _row(found, i), cap.SPLITK_SUPPORT) != 1:
+                    continue
+                mask = _capability(lt, _row(found, i), cap.REDUCTION_SCHEME_MASK)
+            except Exception:
+                continue
+            for split in SPLITS:
+                if k // split < 256:            # slices shorter than this only add partial sums to read
+                    continue
+                for scheme in schemes:
+                    if not mask & scheme:
+                        continue
+                    cand = found[i:i + 1].copy()
+                    try:
+                        for attr, value in ((C.SPLITK_NUM, split), (C.REDUCTION_SCHEME, scheme)):
+                            _set(lt.matmul_algo_config_set_attribute, _row(cand, 0), attr, value,
+                                 lt.get_matmul_algo_config_attribute_dtype(attr))
+                        if cand[0]["algo"].tobytes() in seen:
+                            continue
+                        lt.matmul_algo_check(self.lt_handle, desc, *layouts, layouts[2], _row(cand, 0),
+                                             cand.ctypes.data)
+                    except Exception:             # refused by cuBLASLt (NOT_SUPPORTED, INVALID_VALUE, ...)
+                        continue
+                    if int(cand[0]["workspace_size"]) > WORKSPACE:
+                        continue
+                    seen.add(cand[0]["algo"].tobytes())
+                    out.append(cand)
+        return np.concatenate(out) if out else found[:0].copy()
 
     def _launch(self, plan, a, x, out, bias, accumulate, stream, choice, c=None):
         lt = self.lt
@@ -91,8 +257,7 @@ class Blas:
             _set(lt.matmul_desc_set_attribute, plan["desc"], lt.MatmulDescAttribute.BIAS_POINTER,
                  pointer(bias), np.int64)
         a_layout, b_layout, c_layout = plan["layouts"]
-        found = plan["found"]
-        algo = found.ctypes.data + choice * found.itemsize
+        algo = _row(plan["found"], choice)
         beta = self._one if accumulate else self._zero
         c = out if c is None else c        # out-of-place C (same type and layout as D) is allowed
         lt.matmul(self.lt_handle, plan["desc"], self._one.ctypes.data, pointer(a), a_layout, pointer(x),
@@ -115,23 +280,49 @@ class Blas:
         self._launch(plan, w, x, out, bias, accumulate, stream, plan["choice"], residual)
 
     def _time_choices(self, plan, w, x, out, bias, accumulate, stream):
-        """Time each heuristic candidate a few times and keep the fastest (output is recomputed after)."""
-        best, best_ms = 0, float("inf")
-        for i in range(plan["count"]):
-            start, stop = cuda.event(), cuda.event()
-            try:
-                self._launch(plan, w, x, out, bias, False, stream, i)
-                start.record()
-                for _ in range(5):
-                    self._launch(plan, w, x, out, bias, False, stream, i)
-                stop.record()
-                stop.synchronize()
-            except Exception:
-                continue
-            ms = cuda.event_elapsed_time(start, stop)
-            if ms < best_ms:
-                best, best_ms = i, ms
-        return best
+        """Time each candidate over a few calls, then the FINALISTS fastest again over more calls, and keep
+        the fastest (the output is recomputed after); one that fails to launch is skipped. The first
+        round's times (ms per call, None when it failed) are kept in the plan."""
+        times = [self._time_one(plan, w, x, out, bias, stream, i, TIMED_CALLS) for i in range(plan["count"])]
+        plan["times"] = times
+        ranked = sorted((t, i) for i, t in enumerate(times) if t is not None)
+        if not ranked:
+            return 0
+        again = ((self._time_one(plan, w, x, out, bias, stream, i, 4 * TIMED_CALLS), i) for _, i in ranked[:FINALISTS])
+        final = [(t, i) for t, i in again if t is not None]
+        return min(final)[1] if final else ranked[0][1]
+
+    def _time_one(self, plan, w, x, out, bias, stream, i, calls):
+        """ms per call of candidate i on the GPU (beta = 0, writing out); None if it fails. Tuning runs on
+        stream 0 (the eager pass before any capture), where the timer holds the GPU."""
+        if self._timer is None:
+            self._timer = GpuTimer()
+        try:
+            return self._timer(lambda: self._launch(plan, w, x, out, bias, False, stream, i), calls)
+        except Exception:
+            return None
+
+    def planned(self, m, n, k, out_dtype=np.float32, bias=False, accumulate=False):
+        """The plan of a product of this shape (None before its first call); accumulate covers residual."""
+        return self._plans.get((m, n, k, R_32F if out_dtype == np.float32 else R_16BF, bias, accumulate))
+
+    def chosen(self, m, n, k, out_dtype=np.float32, bias=False, accumulate=False):
+        """The algorithm a product of this shape runs (after its first call): algo_config's fields, the
+        number of candidates (and of those from the heuristic), and when tuned the timed ms per call of the
+        choice and of the best among the first CANDIDATES heuristic ones (what the heuristic-only tuner
+        keeps); None before the first call."""
+        plan = self.planned(m, n, k, out_dtype, bias, accumulate)
+        if plan is None:
+            return None
+        info = dict(zip(("id", "tile", "splitk", "reduction", "stages", "cluster"),
+                        algo_config(self.lt, _row(plan["found"], plan["choice"]))))
+        info["candidates"], info["heuristic"] = plan["count"], plan["heuristic"]
+        times = plan.get("times")
+        if times:
+            heur = [t for t in times[:min(plan["heuristic"], CANDIDATES)] if t is not None]
+            info["ms"] = times[plan["choice"]]
+            info["heuristic_ms"] = min(heur) if heur else None
+        return info
 
     # --- cuBLAS: float32 strided-batched products (attention scores and mixing) ---------------
     def gemm_batched_f32(self, transa, transb, m, n, k, a, a_off, lda, stride_a, b, b_off, ldb, stride_b,
