@@ -12,6 +12,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+# a step that hangs must not take the others with it (seconds per step; STEP_TIMEOUT overrides)
+limit="timeout ${STEP_TIMEOUT:-900}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import numpy, numba, numba_cuda, nvmath, cuda.core, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'nvmath', nvmath.__version__, 'cuda.core', cuda.core.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 status=0
@@ -19,13 +21,12 @@ for step in "$@"; do
   echo "== $step" | tee -a "$OUT/steps.txt"
   start=$(date +%s)
   case $step in
-    contract) python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
-    bench) python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
-    tests) python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_cuda_contract.py -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
-    delta) python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
-    kernels) python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
-    encoder) python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
-    resources) python3 scripts/gpu_resources.py 2>&1 | tee "$OUT/resources.txt" ;;
+    contract) $limit python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
+    bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
+    tests) $limit python3 -m pytest -q -p no:cacheprovider tests/gpu -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
+    delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
+    kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
+    encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   rc=$?
