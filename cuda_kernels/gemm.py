@@ -70,8 +70,8 @@ class GpuTimer:
         self.hold_ms = 1.0
 
     def _calibrate(self):
-        n = 1 << 16
-        _spin[1, 1](n, self.sink)          # compiles
+        n = 1 << 20                        # a few ms: long against the launch itself
+        _spin[1, 1](1, self.sink)          # compiles
         start, stop = cuda.event(), cuda.event()
         start.record()
         _spin[1, 1](n, self.sink)
