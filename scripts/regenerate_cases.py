@@ -25,13 +25,18 @@ import argparse
 import hashlib
 import io
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import load_file
+
+# torch's CPU kernels are picked by the processor's instruction set, and AVX-512 ones sum float32 in
+# another order than AVX2 ones: the committed bytes come from the AVX2 kernels, so use those everywhere
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+import torch                                   # noqa: E402
+from safetensors.torch import load_file        # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "moss_cli" / "tiny"
