@@ -17,7 +17,6 @@ _GPU_ONLY_KWARGS = ("lineinfo", "launch_bounds", "max_registers", "forceinline",
 # One block size for every block-per-row kernel; the simulator pays ~0.2 ms per thread, so it gets few.
 BLOCK = 32 if SIMULATED else 256
 SHARED = BLOCK if SIMULATED else BLOCK // 32    # floats of shared memory team_sum needs in a BLOCK-thread block
-WARP = 1 if SIMULATED else 32      # the fewest threads a block-reducing kernel may have
 EPS32 = float(np.finfo(np.float32).eps) / 2      # unit roundoff of float32
 EPS16 = 2.0 ** -8                                # unit roundoff of bfloat16
 
@@ -46,79 +45,6 @@ def narrow(x):
     b = buf.view(np.uint32)[0]
     b = b + uint32(0x7FFF) + ((b >> uint32(16)) & uint32(1))
     return uint16(b >> uint32(16))
-
-
-@jit(device=True)
-def warp_sum(value):
-    """Sum over the 32 lanes of a warp (GPU only: the simulator has no shuffles)."""
-    for step in (16, 8, 4, 2, 1):
-        value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
-    return value
-
-
-@jit(device=True)
-def warp_max(value):
-    for step in (16, 8, 4, 2, 1):
-        value = max(value, cuda.shfl_xor_sync(0xFFFFFFFF, value, step))
-    return value
-
-
-@jit(device=True)
-def block_sum(sh, value):
-    """Sum of `value` over the block's threads (blockDim.x a power of two, sh >= blockDim.x floats).
-
-    GPU: shuffles within each warp, one barrier, then every thread adds the warps' partials (blocks
-    narrower than a warp must not call this on the GPU). Simulator: a shared-memory tree.
-    """
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    if not SIMULATED:
-        value = warp_sum(value)
-        if tid % 32 == 0:
-            sh[tid // 32] = value
-        cuda.syncthreads()
-        total = float32(0.0)
-        for w in range(nt // 32):
-            total += sh[w]
-        cuda.syncthreads()
-        return total
-    sh[tid] = value
-    cuda.syncthreads()
-    step = nt // 2
-    while step > 0:
-        if tid < step:
-            sh[tid] += sh[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = sh[0]
-    cuda.syncthreads()
-    return total
-
-
-@jit(device=True)
-def block_max(sh, value):
-    """Max of `value` over the block's threads (same contract as block_sum)."""
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    if not SIMULATED:
-        value = warp_max(value)
-        if tid % 32 == 0:
-            sh[tid // 32] = value
-        cuda.syncthreads()
-        total = sh[0]
-        for w in range(1, nt // 32):
-            total = max(total, sh[w])
-        cuda.syncthreads()
-        return total
-    sh[tid] = value
-    cuda.syncthreads()
-    step = nt // 2
-    while step > 0:
-        if tid < step:
-            sh[tid] = max(sh[tid], sh[tid + step])
-        cuda.syncthreads()
-        step //= 2
-    total = sh[0]
-    cuda.syncthreads()
-    return total
 
 
 # Row teams: team threads per row (a power of two), about TEAM_PER of the row's elements each in registers,
