@@ -1,0 +1,55 @@
+"""Both delta-rule kernels with the launch geometry they get on a GPU (not the simulator's small one),
+run in the numba CUDA simulator against the float64 recurrence: the grouped recurrence with 128-thread
+blocks, 8 parts per column, 32-token tiles and groups of 8 (45 tokens: a part tile), and the chunked form
+with 64-token chunks, 16-row solve blocks and 256-thread solves (70 tokens: a part chunk). In the
+simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+INPUTS = """
+import numpy as np
+from cuda_kernels.core import gate
+rng = np.random.default_rng(3)
+n, hk, hv, dk, dv = {n}, 1, 2, 16, 16
+def unit(a): return a / np.linalg.norm(a, axis=-1, keepdims=True)
+inp = {{"q": (unit(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.float32),
+        "k": unit(rng.standard_normal((n, hk, dk))).astype(np.float32),
+        "v": rng.standard_normal((n, hv, dv)).astype(np.float32),
+        "g": -rng.uniform(0.0, 1.5, (n, hv)).astype(np.float32),
+        "beta": rng.uniform(0.0, 1.0, (n, hv)).astype(np.float32)}}
+"""
+
+RECURRENT = INPUTS.format(n=45) + """
+from cuda_kernels import gdn
+gdn.TILE, gdn.GROUP, gdn.THREADS = 32, 8, 128
+gdn._delta.clear()
+expected, bound = gdn._ref_delta(inp)
+print(gate(gdn._run_delta(inp, False), expected, bound)[0], gate(gdn._run_delta(inp, True), expected, bound)[0])
+"""
+
+CHUNKED = INPUTS.format(n=70) + """
+from cuda_kernels import gdn_chunk as gc
+gc.CHUNK, gc.SUB, gc.THREADS = 64, 16, 256
+gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
+gc._prep.clear(); gc._solve.clear()
+expected, bound = gc._ref_chunked(inp)
+print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), expected, bound)[0])
+"""
+
+
+@pytest.mark.parametrize("script", [RECURRENT, CHUNKED], ids=["grouped recurrence", "chunked"])
+def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr
