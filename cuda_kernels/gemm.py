@@ -6,6 +6,7 @@ the output is float32 or bf16. The algorithm is chosen once per shape (heuristic
 GPU only: the simulator has no cuBLAS.
 """
 
+import os
 import time
 
 import numpy as np
@@ -341,12 +342,18 @@ class Blas:
 _blas = None
 
 
+# Timing the candidates picks the fastest algorithm per shape, but the pick can differ between processes
+# (timing noise) and with it the last bits of a product; moss-encode's bytes must not. So the process's
+# Blas runs the heuristic's first algorithm (fixed for one GPU and cuBLAS version) unless MOSS_GEMM_TUNE=1.
+TUNE = os.environ.get("MOSS_GEMM_TUNE", "") == "1"
+
+
 def blas():
-    """The process's Blas (handles created on first use, on the current device); it times the heuristic's
-    candidates once per shape and keeps the fastest."""
+    """The process's Blas (handles created on first use, on the current device); with MOSS_GEMM_TUNE=1 it
+    times the candidates once per shape and keeps the fastest."""
     global _blas
     if _blas is None:
-        _blas = Blas(tune=True)
+        _blas = Blas(tune=TUNE)
     return _blas
 
 

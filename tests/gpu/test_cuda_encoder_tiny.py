@@ -51,3 +51,18 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     eager = CudaEncoder(component.tensors, component.config, graphs=False)(ids)
     # the graph pads to its bucket: the same kernels on more rows, so equal to float32 rounding
     np.testing.assert_allclose(first, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
+
+
+def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path):
+    """Each process plans its products anew (cuBLASLt's algorithms by its heuristic, no timing unless
+    MOSS_GEMM_TUNE=1), so two runs of the command must write identical files."""
+    import os
+    from cli_util import run
+    env = {k: v for k, v in os.environ.items() if k != "MOSS_GEMM_TUNE"}
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"fox{i}.enc"
+        done = run("moss-encode", "--prompt", "a red fox in the snow", "--device", "cuda", "--out", out, env=env)
+        assert done.code == 0, done.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
