@@ -19,7 +19,7 @@ from numba import cuda, float32
 
 from .core import SIMULATED, Case, gamma, jit
 from .gdn import _make_delta_inputs, delta_reference_terms
-from .gemm import COMPUTE_32F, COMPUTE_32F_FAST_TF32, EPS_TF32, OP_N, OP_T, R_32F, blas, pointer, stream_handle
+from .gemm import EPS_TF32, OP_N, OP_T, blas
 
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
@@ -180,10 +180,10 @@ def _tf32_round(x):
     return bits.view(np.float32)
 
 
-def _cublas_on_host(transa, transb, m, n, k, alpha, a, a_off, lda, sa, b, b_off, ldb, sb, beta, c, c_off,
-                    ldc, sc, batch, tf32):
-    """cublasGemmStridedBatchedEx's column-major semantics on host copies (the simulator has no cuBLAS):
-    float64 sums of the (TF32-rounded, when asked) float32 inputs."""
+def _cublas_on_host(transa, transb, m, n, k, a, a_off, lda, sa, b, b_off, ldb, sb, c, c_off, ldc, sc, batch,
+                    alpha, beta, tf32):
+    """gemm.Blas.gemm_batched_f32 (cublasGemmStridedBatchedEx's column-major semantics) on host copies, for
+    the simulator, which has no cuBLAS: float64 sums of the (TF32-rounded, when asked) float32 inputs."""
     ha, hb, hc = (x.copy_to_host().reshape(-1) for x in (a, b, c))
     if tf32:
         ha, hb = _tf32_round(ha), _tf32_round(hb)
@@ -208,20 +208,12 @@ def _product(m, n, k, a, a_off, lda, sa, b, b_off, ldb, sb, c, c_off, ldc, sc, b
     every matrix at `off + i * s` float32 elements into its array with row stride `ld`.
 
     Row-major X is column-major X^T, so cuBLAS computes C^T = op(B)^T op(A)^T with the operands swapped."""
-    args = (OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, alpha, b, b_off, ldb, sb,
-            a, a_off, lda, sa, beta, c, c_off, ldc, sc, batch)
+    args = (OP_T if trans_b else OP_N, OP_T if trans_a else OP_N, n, m, k, b, b_off, ldb, sb, a, a_off, lda, sa,
+            c, c_off, ldc, sc, batch)
     if SIMULATED:
-        _cublas_on_host(*args, tf32)
-        return
-    ta, tb, m_, n_, k_, alpha, a_, a_off, lda_, sa_, b_, b_off, ldb_, sb_, beta, c_, c_off, ldc_, sc_, batch = args
-    lib = blas()
-    lib.cb.set_stream(lib.cb_handle, stream_handle(stream))
-    alpha_buf, beta_buf = np.array([alpha], np.float32), np.array([beta], np.float32)
-    lib.cb.gemm_strided_batched_ex(
-        lib.cb_handle, ta, tb, m_, n_, k_, alpha_buf.ctypes.data,
-        pointer(a_) + 4 * a_off, R_32F, lda_, sa_, pointer(b_) + 4 * b_off, R_32F, ldb_, sb_,
-        beta_buf.ctypes.data, pointer(c_) + 4 * c_off, R_32F, ldc_, sc_, batch,
-        COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F, -1)
+        _cublas_on_host(*args, alpha, beta, tf32)
+    else:
+        blas().gemm_batched_f32(*args, alpha=alpha, beta=beta, stream=stream, tf32=tf32)
 
 
 # --- the op --------------------------------------------------------------------------------------

@@ -327,15 +327,15 @@ class Blas:
 
     # --- cuBLAS: float32 strided-batched products (attention scores and mixing) ---------------
     def gemm_batched_f32(self, transa, transb, m, n, k, a, a_off, lda, stride_a, b, b_off, ldb, stride_b,
-                         c, c_off, ldc, stride_c, batch, alpha=1.0, stream=0, tf32=False):
-        """Column-major C = alpha op(A) op(B), float32 data, batch of `batch` with element strides/offsets;
-        `tf32`: the products on tensor cores from TF32-rounded inputs (float32 accumulate)."""
+                         c, c_off, ldc, stride_c, batch, alpha=1.0, beta=0.0, stream=0, tf32=False):
+        """Column-major C = alpha op(A) op(B) + beta C, float32 data, batch of `batch` with element
+        strides/offsets; `tf32`: the products on tensor cores from TF32-rounded inputs (float32 accumulate)."""
         self.cb.set_stream(self.cb_handle, stream_handle(stream))
-        alpha_buf = np.array([alpha], np.float32)
+        alpha_buf, beta_buf = np.array([alpha], np.float32), np.array([beta], np.float32)
         self.cb.gemm_strided_batched_ex(
             self.cb_handle, transa, transb, m, n, k, alpha_buf.ctypes.data,
             pointer(a) + 4 * a_off, R_32F, lda, stride_a, pointer(b) + 4 * b_off, R_32F, ldb, stride_b,
-            self._zero.ctypes.data, pointer(c) + 4 * c_off, R_32F, ldc, stride_c, batch,
+            beta_buf.ctypes.data, pointer(c) + 4 * c_off, R_32F, ldc, stride_c, batch,
             COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F, -1)
 
 

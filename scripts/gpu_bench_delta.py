@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import gdn
-from moss_cli.ops.cuda_table import CudaOps
+from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
@@ -31,23 +31,10 @@ def inputs(n, seed=0):
 
 def replay_ms(ops, args, form, tf32, reps=20):
     """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
-    from cuda.core import Device, StreamOptions
     ops.delta_tf32 = tf32
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
-    dev = Device()
-    dev.set_current()
-    stream = dev.create_stream(options=StreamOptions(nonblocking=True))
-    builder = stream.create_graph_builder()
-    with cuda.defer_cleanup():
-        builder.begin_building("relaxed")
-        ops.stream, ops.capturing = builder, True
-        try:
-            out = ops.gated_delta_rule(*args, form=form)
-        finally:
-            ops.stream, ops.capturing = 0, False
-            builder.end_building()
-    graph = builder.complete()
+    graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
     times = []
     for _ in range(reps + 3):
         t = time.perf_counter()

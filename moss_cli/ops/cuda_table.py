@@ -495,28 +495,33 @@ class CudaEncoder:
         return rows
 
     def _capture(self, size):
-        from cuda.core import Device, StreamOptions
-
         dummy = np.zeros(size, dtype=np.int64)
         self.model(dummy)                      # compiles the kernels, plans cuBLAS, fills the pool
-        dev = Device()
-        dev.set_current()
-        stream = dev.create_stream(options=StreamOptions(nonblocking=True))
-        builder = stream.create_graph_builder()
-        ops = self.ops
-        ops.kept = []
-        with cuda.defer_cleanup():
-            builder.begin_building("relaxed")
-            ops.stream, ops.capturing = builder, True
-            try:
-                out = self.model(dummy)
-            finally:
-                ops.stream, ops.capturing = 0, False
-                builder.end_building()
-        graph = builder.complete()
-        self._captured[size] = (graph, ops.ids, out, stream)
+        graph, stream, out = capture(self.ops, lambda: self.model(dummy))
+        self._captured[size] = (graph, self.ops.ids, out, stream)
         self._pinned[size] = cuda.pinned_array(out.shape, np.float32)
-        self._kept = getattr(self, "_kept", []) + ops.kept
+        self._kept = getattr(self, "_kept", []) + self.ops.kept
+
+
+def capture(ops, run):
+    """(graph, stream, what run() returned): the ops run() launches on `ops`, captured as one CUDA graph
+    (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept."""
+    from cuda.core import Device, StreamOptions
+
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream(options=StreamOptions(nonblocking=True))
+    builder = stream.create_graph_builder()
+    ops.kept = []
+    with cuda.defer_cleanup():
+        builder.begin_building("relaxed")
+        ops.stream, ops.capturing = builder, True
+        try:
+            out = run()
+        finally:
+            ops.stream, ops.capturing = 0, False
+            builder.end_building()
+    return builder.complete(), stream, out
 
 
 def cuda_encoder(component, graphs=True):
