@@ -1,22 +1,22 @@
 """Gated DeltaNet: the causal depthwise conv (+ silu) and the gated delta rule with a float32 state.
 
-The delta rule runs the recurrence (encoder.md 2.5 step 6) a few tokens at a time. Each column c of a
-value head's state S [dk, dv] evolves on its own, so a few threads share one column, each holding
-dk / parts rows of it in registers; the dot products with S are summed across the parts.
+The delta rule runs the recurrence (encoder.md 2.5 step 6) token by token. Each column c of a value
+head's state S [dk, dv] evolves on its own, so `parts` threads share one column, each holding dk / parts
+rows of it in registers; the two dot products with S per token are summed across the parts. The
+tokens' k, q, v, decay and beta come in tiles through shared memory, the next tile's global loads in
+flight (in registers) while the current tile runs.
 """
 
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit
 
-# threads per state column, the first that divides dk (8 measured faster than 32 on the H200)
-PARTS = (8, 4, 2, 1)
-THREADS = 32 if SIMULATED else 128   # threads per block (whole warps: the shuffles need all lanes)
-TILE = 4 if SIMULATED else 32        # tokens staged in shared memory at a time
-GROUP = 2 if SIMULATED else 8        # tokens whose reads of the state are resolved together
+# (threads per state column, threads per block, tokens per tile) for the delta rule; the simulator pays
+# per thread, so it gets one warp and short tiles
+GEOMETRY = (2, 32, 4) if SIMULATED else (8, 256, 16)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
@@ -50,19 +50,23 @@ def _make_conv(control, width):
     return causal_conv1d
 
 
-def _make_delta_rule(control, per, parts):
-    """The kernel for dk = per * parts: each thread keeps `per` state rows (rows part, part + parts, ...)
-    of one column in registers. Tokens go GROUP at a time: with S the state before the group and G the
-    cumulative log decay inside it, token j's read of the state is e^G_j S^T k_j plus the earlier writes
-    of the group, sum_(l<j) e^(G_j - G_l) (k_l . k_j) delta_l, so the group needs 2 GROUP dot products
-    with S (summed across the parts together) and a GROUP-step scalar substitution, not GROUP serial
-    reductions. TILE tokens of k, q, v, g, beta and the groups' k.k and k.q coefficients sit in shared
-    memory. On the GPU the parts of one column sit in one warp and sum by shuffles; the simulator (no
-    shuffles) sums through shared memory. control: a token's output leaves out its own write.
+def _make_delta_rule(control, dk, parts, threads, tile):
+    """The kernel for key dim dk with `parts` threads per column (dk % parts == 0), `threads` per block
+    (threads % parts == 0; a whole warp on the GPU, the shuffles need all lanes), `tile` tokens per
+    tile (tile * dk % threads == 0). A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of
+    its column: it reads k and q four words at a time, and the parts of one column read neighbouring
+    16-byte words of a row (no bank conflicts). Per token, with
+    e = e^g: kd = S^T k and qd = S^T q from the state before the token, d = beta (v - e kd), the new
+    state e S + k d, and the output e qd + (q . k) d, which is S_new^T q; q . k is computed per tile.
+    On the GPU the parts of one column sit in one warp and sum by shuffles; the simulator (no shuffles)
+    sums through shared memory. control: a token's output leaves out its own write.
+    The token loop indexes flat shared arrays with unsigned integers: numba wraps signed indices
+    (negative ones count from the end), which cost eight 64-bit instructions per load there.
     """
-    dk, columns = per * parts, THREADS // parts
-    row = dk + 1                 # padded rows: the coefficient loop walks a column of ks across threads
-    groups = TILE // GROUP
+    per, columns = dk // parts, threads // parts
+    fetch = tile * dk // threads                  # k (and q) values each thread loads per tile
+    vfetch = (tile * columns + threads - 1) // threads
+    tile_k, tile_v = tile * dk, tile * columns    # flat shared sizes (a shape must be a constant)
 
     @jit(device=True)
     def column_sum(red, tid, first, value):
@@ -85,93 +89,118 @@ def _make_delta_rule(control, per, parts):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
         part, slot = tid % parts, tid // parts
         col0 = cuda.blockIdx.y * columns
-        col = col0 + slot
         n, n_hk = q.shape[0], q.shape[1]
         n_hv, dv = v.shape[1], v.shape[2]
         hk = hv // (n_hv // n_hk)
         first = tid - part
-        red = cuda.shared.array(THREADS, float32)
-        ks = cuda.shared.array((TILE, row), float32)
-        qs = cuda.shared.array((TILE, row), float32)
-        vs = cuda.shared.array((TILE, columns), float32)
-        cum = cuda.shared.array(TILE, float32)       # G inside each group
-        bs = cuda.shared.array(TILE, float32)
-        eg = cuda.shared.array(TILE, float32)        # e^G
-        ew = cuda.shared.array(TILE, float32)        # e^(G_last - G): a write's decay to the group's end
-        ckk = cuda.shared.array((TILE, GROUP), float32)   # beta_j e^(G_j - G_l) k_l . k_j, l < j
-        cqk = cuda.shared.array((TILE, GROUP), float32)   # e^(G_j - G_l) k_l . q_j, l <= j
+        red = cuda.shared.array(threads, float32)
+        if SIMULATED:                                       # (the simulator rejects alignment=)
+            ks = cuda.shared.array(tile_k, float32)
+            qs = cuda.shared.array(tile_k, float32)
+        else:                                               # [token, row] flat, as k and q are laid out;
+            ks = cuda.shared.array(tile_k, float32, alignment=16)   # 16-byte aligned: 4-word loads
+            qs = cuda.shared.array(tile_k, float32, alignment=16)
+        vs = cuda.shared.array(tile_v, float32)     # [token, column] flat
+        os = cuda.shared.array(tile_v, float32)
+        eg = cuda.shared.array(tile, float32)
+        bs = cuda.shared.array(tile, float32)
+        qk = cuda.shared.array(tile, float32)
         state = cuda.local.array(per, float32)
-        a = cuda.local.array(GROUP, float32)
-        b = cuda.local.array(GROUP, float32)
-        delta = cuda.local.array(GROUP, float32)
+        kc = cuda.local.array(per, float32)
+        pk = cuda.local.array(fetch, float32)
+        pq = cuda.local.array(fetch, float32)
+        pv = cuda.local.array(vfetch, float32)
         for i in range(per):
             state[i] = float32(0.0)
-        for t0 in range(0, n, TILE):
+        # the first tile's loads (each later tile's are issued before the tile before it runs)
+        pg = float32(0.0)
+        pb = float32(0.0)
+        for j in range(fetch):
+            idx = tid + j * threads
+            r, c = idx // dk, idx % dk
+            pk[j] = k[r, hk, c] if r < n else float32(0.0)
+            pq[j] = q[r, hk, c] if r < n else float32(0.0)
+        for j in range(vfetch):
+            idx = tid + j * threads
+            r, c = idx // columns, idx % columns
+            pv[j] = v[r, hv, col0 + c] if r < tile and r < n and col0 + c < dv else float32(0.0)
+        if tid < tile and tid < n:
+            pg = g[tid, hv]
+            pb = beta[tid, hv]
+        uquad, uslot = uint64(4 * part), uint64(slot)
+        for t0 in range(0, n, tile):
             cuda.syncthreads()              # every thread is done with the previous tile
-            for idx in range(tid, TILE * dk, THREADS):
-                r, c = idx // dk, idx % dk
-                ks[r, c] = k[t0 + r, hk, c] if t0 + r < n else float32(0.0)
-                qs[r, c] = q[t0 + r, hk, c] if t0 + r < n else float32(0.0)
-            for idx in range(tid, TILE * columns, THREADS):
+            for j in range(fetch):
+                ks[tid + j * threads] = pk[j]
+                qs[tid + j * threads] = pq[j]
+            for j in range(vfetch):
+                if tid + j * threads < tile * columns:
+                    vs[tid + j * threads] = pv[j]
+            if tid < tile:
+                eg[tid] = math.exp(pg)
+                bs[tid] = pb
+            cuda.syncthreads()
+            if SIMULATED:
+                if tid < tile:
+                    acc = float32(0.0)
+                    for c in range(dk):
+                        acc += qs[tid * dk + c] * ks[tid * dk + c]
+                    qk[tid] = acc
+            else:
+                lane = tid % 32
+                for r in range(tid // 32, tile, threads // 32):
+                    acc = float32(0.0)
+                    for c in range(lane, dk, 32):
+                        acc += qs[r * dk + c] * ks[r * dk + c]
+                    for step in (16, 8, 4, 2, 1):
+                        acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
+                    if lane == 0:
+                        qk[r] = acc
+            t1 = t0 + tile                  # the next tile's loads, in flight while this one runs
+            if t1 < n:
+                for j in range(fetch):
+                    idx = tid + j * threads
+                    r, c = t1 + idx // dk, idx % dk
+                    pk[j] = k[r, hk, c] if r < n else float32(0.0)
+                    pq[j] = q[r, hk, c] if r < n else float32(0.0)
+                for j in range(vfetch):
+                    idx = tid + j * threads
+                    r, c = idx // columns, idx % columns
+                    pv[j] = v[t1 + r, hv, col0 + c] if r < tile and t1 + r < n and col0 + c < dv else float32(0.0)
+                if tid < tile and t1 + tid < n:
+                    pg = g[t1 + tid, hv]
+                    pb = beta[t1 + tid, hv]
+            cuda.syncthreads()
+            for r in range(uint64(min(tile, n - t0))):
+                rk = r * uint64(dk) + uquad
+                kd0 = float32(0.0)
+                kd1 = float32(0.0)
+                qd0 = float32(0.0)
+                qd1 = float32(0.0)
+                for i in range(0, per, 2):
+                    at = (i // 4) * 4 * parts + i % 4        # row of state[i], less 4 part
+                    s0, s1 = state[i], state[i + 1]
+                    k0, k1 = ks[rk + uint64(at)], ks[rk + uint64(at + 1)]
+                    kc[i] = k0
+                    kc[i + 1] = k1
+                    kd0 += s0 * k0
+                    kd1 += s1 * k1
+                    qd0 += s0 * qs[rk + uint64(at)]
+                    qd1 += s1 * qs[rk + uint64(at + 1)]
+                kd = column_sum(red, tid, first, kd0 + kd1)
+                qd = column_sum(red, tid, first, qd0 + qd1)
+                e = eg[r]
+                rv = r * uint64(columns) + uslot
+                d = bs[r] * (vs[rv] - e * kd)
+                for i in range(per):
+                    state[i] = e * state[i] + kc[i] * d
+                if part == 0:
+                    os[rv] = e * qd if control else e * qd + qk[r] * d
+            cuda.syncthreads()
+            for idx in range(tid, tile * columns, threads):
                 r, c = idx // columns, idx % columns
-                vs[r, c] = v[t0 + r, hv, col0 + c] if t0 + r < n and col0 + c < dv else float32(0.0)
-            for r in range(tid, TILE, THREADS):
-                cum[r] = g[t0 + r, hv] if t0 + r < n else float32(0.0)
-                bs[r] = beta[t0 + r, hv] if t0 + r < n else float32(0.0)
-            cuda.syncthreads()
-            for grp in range(tid, groups, THREADS):
-                j0 = grp * GROUP
-                for j in range(1, GROUP):
-                    cum[j0 + j] += cum[j0 + j - 1]
-            cuda.syncthreads()
-            for r in range(tid, TILE, THREADS):
-                eg[r] = math.exp(cum[r])
-                ew[r] = math.exp(cum[r - r % GROUP + GROUP - 1] - cum[r])
-            for idx in range(tid, TILE * GROUP, THREADS):
-                r, l = idx // GROUP, idx % GROUP
-                j = r % GROUP
-                src = r - j + l
-                kk = float32(0.0)
-                qk = float32(0.0)
-                for d in range(dk):
-                    kk += ks[src, d] * ks[r, d]
-                    qk += ks[src, d] * qs[r, d]
-                decay = math.exp(cum[r] - cum[src]) if l <= j else float32(0.0)
-                ckk[r, l] = bs[r] * decay * kk if l < j else float32(0.0)
-                cqk[r, l] = decay * qk if (l < j if control else l <= j) else float32(0.0)
-            cuda.syncthreads()
-            for grp in range(groups):
-                j0 = grp * GROUP
-                for j in range(GROUP):
-                    a[j] = float32(0.0)
-                    b[j] = float32(0.0)
-                for i in range(per):
-                    s = state[i]
-                    for j in range(GROUP):
-                        a[j] += s * ks[j0 + j, i * parts + part]
-                        b[j] += s * qs[j0 + j, i * parts + part]
-                for j in range(GROUP):
-                    a[j] = column_sum(red, tid, first, a[j])
-                    b[j] = column_sum(red, tid, first, b[j])
-                for j in range(GROUP):
-                    d = bs[j0 + j] * (vs[j0 + j, slot] - eg[j0 + j] * a[j])
-                    for l in range(j):
-                        d -= ckk[j0 + j, l] * delta[l]
-                    delta[j] = d
-                for j in range(GROUP):
-                    o = eg[j0 + j] * b[j]
-                    for l in range(GROUP):
-                        o += cqk[j0 + j, l] * delta[l]
-                    if part == 0 and col < dv and t0 + j0 + j < n:
-                        out[t0 + j0 + j, hv, col] = o
-                decay = eg[j0 + GROUP - 1]
-                for l in range(GROUP):
-                    delta[l] *= ew[j0 + l]
-                for i in range(per):
-                    s = decay * state[i]
-                    for l in range(GROUP):
-                        s += ks[j0 + l, i * parts + part] * delta[l]
-                    state[i] = s
+                if t0 + r < n and col0 + c < dv:
+                    out[t0 + r, hv, col0 + c] = os[idx]
     return gated_delta_rule
 
 
@@ -214,22 +243,24 @@ def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
     _conv[key][grid, threads, stream](x, w, out, bool(activate))
 
 
-def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False):
+def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=None):
     """out [L, Hv, dv] from q, k [L, Hk, dk] (normed, scaled), v [L, Hv, dv], log-decay g and beta [L, Hv].
 
     Per value head j (reading q/k head j // (Hv / Hk)), S_0 = 0, float32 throughout:
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
+    geometry: (parts, threads, tile), GEOMETRY by default.
     """
     dk, dv = q.shape[2], v.shape[2]
-    parts = next((p for p in PARTS if dk % p == 0), None)
-    if parts is None:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} must be a multiple of one of {PARTS}")
-    key = (control, dk // parts, parts)
+    parts, threads, tile = geometry or GEOMETRY
+    if dk % (4 * parts) or threads % parts or (tile * dk) % threads or tile > threads:
+        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {(parts, threads, tile)}: "
+                         "dk must be a multiple of 4 parts, tile x dk of the threads, tile at most the threads")
+    key = (control, dk, parts, threads, tile)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
-    columns = THREADS // parts
+    columns = threads // parts
     grid = (v.shape[1], (dv + columns - 1) // columns)   # value heads x column groups
-    _delta[key][grid, THREADS, stream](q, k, v, g, beta, out)
+    _delta[key][grid, threads, stream](q, k, v, g, beta, out)
 
 
 # --- float64 references --------------------------------------------------------------------------

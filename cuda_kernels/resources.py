@@ -46,7 +46,7 @@ def _signatures():
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
         "softmax_causal_s1024": (rope_attention._softmax(False, *row_team(1024)), (f3, t.float32, t.boolean)),
         "causal_conv1d_k4": (gdn._make_conv(False, 4), (s2, f2, f2, t.boolean)),
-        "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128 // gdn.PARTS[0], gdn.PARTS[0]),
+        "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128, *gdn.GEOMETRY),
                                    (f3, f3, s3, f2, f2, f3)),
         "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f4, f4, f3, f4)),
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),

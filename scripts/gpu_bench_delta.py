@@ -1,5 +1,6 @@
-"""The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn) against the
-chunked form (gdn_chunk, TF32 and float32 products), each captured as a CUDA graph and replayed.
+"""The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn, its default
+and other launch geometries) against the chunked form (gdn_chunk, TF32 and float32 products), each
+captured as a CUDA graph and replayed.
 
     python scripts/gpu_bench_delta.py --out delta.json
 """
@@ -18,6 +19,8 @@ from moss_cli.ops.cuda_table import CudaOps, capture
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": ("recurrent", True), "chunked_tf32": ("chunk", True), "chunked_f32": ("chunk", False)}
+# the recurrence's other launch geometries (parts per column, threads per block, tokens per tile)
+GEOMETRIES = [(4, 256, 16), (8, 128, 16), (16, 256, 16), (8, 256, 32), (4, 128, 16)]
 
 
 def inputs(n, seed=0):
@@ -29,9 +32,9 @@ def inputs(n, seed=0):
     return inp
 
 
-def replay_ms(ops, args, form, tf32, reps=20):
+def replay_ms(ops, args, form, tf32, geometry=None, reps=20):
     """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
-    ops.delta_tf32 = tf32
+    ops.delta_tf32, ops.delta_geometry = tf32, geometry
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
     graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
@@ -59,6 +62,12 @@ def main():
             try:
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, form, tf32)
             except Exception as exc:          # one failing form must not hide the others
+                row[label + "_ms"] = f"failed: {exc!r}"
+        for geometry in GEOMETRIES:
+            label = "recurrent_p{}_t{}_tile{}".format(*geometry)
+            try:
+                row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", True, geometry)
+            except Exception as exc:
                 row[label + "_ms"] = f"failed: {exc!r}"
         ref = outs.get("recurrent")
         for label, o in outs.items():

@@ -1,6 +1,6 @@
 """Both delta-rule kernels with the launch geometry they get on a GPU (not the simulator's small one),
-run in the numba CUDA simulator against the float64 recurrence: the grouped recurrence with 128-thread
-blocks, 8 parts per column, 32-token tiles and groups of 8 (45 tokens: a part tile), and the chunked form
+run in the numba CUDA simulator against the float64 recurrence: the recurrence with 128-thread blocks,
+4 parts per column and 32-token tiles (45 tokens: a part tile; 16 columns of a 32-column block), and the chunked form
 with 64-token chunks, 16-row solve blocks and 256-thread solves (70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
@@ -29,11 +29,15 @@ inp = {{"q": (unit(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.flo
 """
 
 RECURRENT = INPUTS.format(n=45) + """
+from numba import cuda
 from cuda_kernels import gdn
-gdn.TILE, gdn.GROUP, gdn.THREADS = 32, 8, 128
-gdn._delta.clear()
+def run(control):
+    arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
+    out = cuda.device_array(inp["v"].shape, np.float32)
+    gdn.gated_delta_rule(*arrays, out, control=control, geometry=(4, 128, 32))
+    return out.copy_to_host()
 expected, bound = gdn._ref_delta(inp)
-print(gate(gdn._run_delta(inp, False), expected, bound)[0], gate(gdn._run_delta(inp, True), expected, bound)[0])
+print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 """
 
 CHUNKED = INPUTS.format(n=70) + """
@@ -46,7 +50,7 @@ print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), ex
 """
 
 
-@pytest.mark.parametrize("script", [RECURRENT, CHUNKED], ids=["grouped recurrence", "chunked"])
+@pytest.mark.parametrize("script", [RECURRENT, CHUNKED], ids=["recurrence", "chunked"])
 def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, env=env, capture_output=True,

@@ -100,6 +100,7 @@ class CudaOps:
         self.ids = None         # the last token-id buffer embedding() read
         self.chunk_from = CHUNK_FROM
         self.delta_tf32 = True
+        self.delta_geometry = None     # the recurrence's (parts, threads, tile); gdn.GEOMETRY when None
         self._last_cast = None
 
     # --- memory -------------------------------------------------------------------------------
@@ -431,7 +432,7 @@ class CudaOps:
         out = self.new(v.shape)
         n, n_hk, dk = q.shape
         if form == "recurrent" or n < self.chunk_from:
-            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream)
+            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream, geometry=self.delta_geometry)
             return out
         shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
         work = {name: self.new(shape) for name, shape in shapes.items()}
