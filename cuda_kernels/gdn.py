@@ -14,9 +14,9 @@ from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit
 
-# (threads per state column, threads per block, tokens per tile) for the delta rule; the simulator pays
-# per thread, so it gets one warp and short tiles
-GEOMETRY = (2, 32, 4) if SIMULATED else (8, 256, 16)
+# (threads per state column, threads per block, tokens per tile, tokens per group) for the delta rule;
+# the simulator pays per thread, so it gets one warp and short tiles
+GEOMETRY = (2, 32, 4, 2) if SIMULATED else (8, 256, 16, 4)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
@@ -50,14 +50,20 @@ def _make_conv(control, width):
     return causal_conv1d
 
 
-def _make_delta_rule(control, dk, parts, threads, tile):
-    """The kernel for key dim dk with `parts` threads per column (dk % parts == 0), `threads` per block
-    (threads % parts == 0; a whole warp on the GPU, the shuffles need all lanes), `tile` tokens per
-    tile (tile * dk % threads == 0). A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of
-    its column: it reads k and q four words at a time, and the parts of one column read neighbouring
-    16-byte words of a row (no bank conflicts). Per token, with
-    e = e^g: kd = S^T k and qd = S^T q from the state before the token, d = beta (v - e kd), the new
-    state e S + k d, and the output e qd + (q . k) d, which is S_new^T q; q . k is computed per tile.
+def _make_delta_rule(control, dk, parts, threads, tile, group):
+    """The kernel for key dim dk with `parts` threads per column (dk % (4 parts) == 0), `threads` per
+    block (threads % parts == 0; whole warps on the GPU, the shuffles need all lanes), `tile` tokens per
+    tile (tile * dk % threads == 0) and `group` tokens resolved together (tile % group == 0).
+
+    A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q
+    four words at a time, and the parts of one column read neighbouring 16-byte words of a row (no bank
+    conflicts). With S the state before a group and G_j the cumulative log decay inside it, token j's
+    read of the state is e^G_j S^T k_j plus the group's earlier writes, sum_(l<j) e^(G_j - G_l)
+    (k_l . k_j) d_l, so a group needs one round of 2 `group` dot products with S (their sums across the
+    parts interleaved) and a `group`-step scalar substitution through coefficients computed per tile:
+    d_j = beta_j (v_j - e^G_j S^T k_j) - sum_(l<j) ckk_jl d_l with ckk_jl = beta_j e^(G_j - G_l) k_l . k_j;
+    o_j = e^G_j S^T q_j + sum_(l<=j) cqk_jl d_l with cqk_jl = e^(G_j - G_l) k_l . q_j (S_j^T q_j);
+    then S <- e^G_last S + sum_l e^(G_last - G_l) k_l d_l. group = 1 is the plain token recurrence.
     On the GPU the parts of one column sit in one warp and sum by shuffles; the simulator (no shuffles)
     sums through shared memory. control: a token's output leaves out its own write.
     The token loop indexes flat shared arrays with unsigned integers: numba wraps signed indices
@@ -66,23 +72,29 @@ def _make_delta_rule(control, dk, parts, threads, tile):
     per, columns = dk // parts, threads // parts
     fetch = tile * dk // threads                  # k (and q) values each thread loads per tile
     vfetch = (tile * columns + threads - 1) // threads
-    tile_k, tile_v = tile * dk, tile * columns    # flat shared sizes (a shape must be a constant)
+    tile_k, tile_v, tile_c = tile * dk, tile * columns, tile * group   # flat shared sizes (constants)
+    cached = group * per                          # k values of a group kept for the state update
 
     @jit(device=True)
     def column_sum(red, tid, first, value):
-        if SIMULATED:
-            red[tid] = value
-            cuda.syncthreads()
-            total = float32(0.0)
-            for p in range(parts):
-                total += red[first + p]
-            cuda.syncthreads()
-            return total
-        step = 1
-        while step < parts:
-            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
-            step *= 2
-        return value
+        """The simulator's sum across the parts of a column (the GPU's is the shuffle loop)."""
+        red[tid] = value
+        cuda.syncthreads()
+        total = float32(0.0)
+        for p in range(parts):
+            total += red[first + p]
+        cuda.syncthreads()
+        return total
+
+    @jit(device=True)
+    def row_dot(xs, ys, rx, ry, lane):
+        """Sum over c < dk of xs[rx dk + c] ys[ry dk + c], by the 32 lanes of a warp."""
+        acc = float32(0.0)
+        for c in range(lane, dk, 32):
+            acc += xs[rx * dk + c] * ys[ry * dk + c]
+        for step in (16, 8, 4, 2, 1):
+            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
+        return acc
 
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
@@ -100,13 +112,19 @@ def _make_delta_rule(control, dk, parts, threads, tile):
         else:                                               # [token, row] flat, as k and q are laid out;
             ks = cuda.shared.array(tile_k, float32, alignment=16)   # 16-byte aligned: 4-word loads
             qs = cuda.shared.array(tile_k, float32, alignment=16)
-        vs = cuda.shared.array(tile_v, float32)     # [token, column] flat
+        vs = cuda.shared.array(tile_v, float32)             # [token, column] flat
         os = cuda.shared.array(tile_v, float32)
-        eg = cuda.shared.array(tile, float32)
+        cum = cuda.shared.array(tile, float32)              # G inside each group
+        eg = cuda.shared.array(tile, float32)               # e^G
+        ew = cuda.shared.array(tile, float32)               # e^(G_last - G): a write's decay to the group's end
         bs = cuda.shared.array(tile, float32)
-        qk = cuda.shared.array(tile, float32)
+        ckk = cuda.shared.array(tile_c, float32)            # [token, l] flat
+        cqk = cuda.shared.array(tile_c, float32)
         state = cuda.local.array(per, float32)
-        kc = cuda.local.array(per, float32)
+        kc = cuda.local.array(cached, float32)
+        a = cuda.local.array(group, float32)
+        b = cuda.local.array(group, float32)
+        dl = cuda.local.array(group, float32)
         pk = cuda.local.array(fetch, float32)
         pq = cuda.local.array(fetch, float32)
         pv = cuda.local.array(vfetch, float32)
@@ -134,28 +152,40 @@ def _make_delta_rule(control, dk, parts, threads, tile):
                 ks[tid + j * threads] = pk[j]
                 qs[tid + j * threads] = pq[j]
             for j in range(vfetch):
-                if tid + j * threads < tile * columns:
+                if tid + j * threads < tile_v:
                     vs[tid + j * threads] = pv[j]
             if tid < tile:
-                eg[tid] = math.exp(pg)
+                cum[tid] = pg
                 bs[tid] = pb
             cuda.syncthreads()
-            if SIMULATED:
-                if tid < tile:
-                    acc = float32(0.0)
-                    for c in range(dk):
-                        acc += qs[tid * dk + c] * ks[tid * dk + c]
-                    qk[tid] = acc
-            else:
-                lane = tid % 32
-                for r in range(tid // 32, tile, threads // 32):
-                    acc = float32(0.0)
-                    for c in range(lane, dk, 32):
-                        acc += qs[r * dk + c] * ks[r * dk + c]
-                    for step in (16, 8, 4, 2, 1):
-                        acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
-                    if lane == 0:
-                        qk[r] = acc
+            if tid < tile // group:
+                for j in range(1, group):
+                    cum[tid * group + j] += cum[tid * group + j - 1]
+            cuda.syncthreads()
+            if tid < tile:
+                eg[tid] = math.exp(cum[tid])
+                ew[tid] = math.exp(cum[tid - tid % group + group - 1] - cum[tid])
+            # the coefficients, one (token, l) pair per thread in the simulator, per warp on the GPU
+            lo, hi, step = tid, tile_c, threads
+            if not SIMULATED:
+                lo, step = tid // 32, threads // 32
+            for pair in range(lo, hi, step):
+                r, l = pair // group, pair % group
+                j = r % group
+                src = r - j + l
+                kk = float32(0.0)
+                qk = float32(0.0)
+                if l <= j:
+                    if SIMULATED:
+                        for c in range(dk):
+                            kk += ks[src * dk + c] * ks[r * dk + c]
+                            qk += ks[src * dk + c] * qs[r * dk + c]
+                    else:
+                        kk = row_dot(ks, ks, src, r, tid % 32)
+                        qk = row_dot(ks, qs, src, r, tid % 32)
+                decay = math.exp(cum[r] - cum[src]) if l <= j else float32(0.0)
+                ckk[pair] = bs[r] * decay * kk if l < j else float32(0.0)
+                cqk[pair] = decay * qk if (l < j if control else l <= j) else float32(0.0)
             t1 = t0 + tile                  # the next tile's loads, in flight while this one runs
             if t1 < n:
                 for j in range(fetch):
@@ -167,37 +197,61 @@ def _make_delta_rule(control, dk, parts, threads, tile):
                     idx = tid + j * threads
                     r, c = idx // columns, idx % columns
                     pv[j] = v[t1 + r, hv, col0 + c] if r < tile and t1 + r < n and col0 + c < dv else float32(0.0)
+                pg = float32(0.0)
+                pb = float32(0.0)
                 if tid < tile and t1 + tid < n:
                     pg = g[t1 + tid, hv]
                     pb = beta[t1 + tid, hv]
             cuda.syncthreads()
-            for r in range(uint64(min(tile, n - t0))):
-                rk = r * uint64(dk) + uquad
-                kd0 = float32(0.0)
-                kd1 = float32(0.0)
-                qd0 = float32(0.0)
-                qd1 = float32(0.0)
-                for i in range(0, per, 2):
-                    at = (i // 4) * 4 * parts + i % 4        # row of state[i], less 4 part
-                    s0, s1 = state[i], state[i + 1]
-                    k0, k1 = ks[rk + uint64(at)], ks[rk + uint64(at + 1)]
-                    kc[i] = k0
-                    kc[i + 1] = k1
-                    kd0 += s0 * k0
-                    kd1 += s1 * k1
-                    qd0 += s0 * qs[rk + uint64(at)]
-                    qd1 += s1 * qs[rk + uint64(at + 1)]
-                kd = column_sum(red, tid, first, kd0 + kd1)
-                qd = column_sum(red, tid, first, qd0 + qd1)
-                e = eg[r]
-                rv = r * uint64(columns) + uslot
-                d = bs[r] * (vs[rv] - e * kd)
+            # tokens past the end have k = q = v = 0, g = 0, beta = 0: they leave the state as it is
+            for grp in range(uint64((min(tile, n - t0) + group - 1) // group)):
+                j0 = grp * uint64(group)
+                for j in range(group):
+                    rk = (j0 + uint64(j)) * uint64(dk) + uquad
+                    acc_a = float32(0.0)
+                    acc_b = float32(0.0)
+                    for i in range(per):
+                        at = (i // 4) * 4 * parts + i % 4      # row of state[i], less 4 part
+                        kv = ks[rk + uint64(at)]
+                        kc[j * per + i] = kv
+                        acc_a += state[i] * kv
+                        acc_b += state[i] * qs[rk + uint64(at)]
+                    a[j] = acc_a
+                    b[j] = acc_b
+                if SIMULATED:
+                    for j in range(group):
+                        a[j] = column_sum(red, tid, first, a[j])
+                        b[j] = column_sum(red, tid, first, b[j])
+                else:
+                    step = 1
+                    while step < parts:
+                        for j in range(group):
+                            a[j] += cuda.shfl_xor_sync(0xFFFFFFFF, a[j], step)
+                            b[j] += cuda.shfl_xor_sync(0xFFFFFFFF, b[j], step)
+                        step *= 2
+                for j in range(group):
+                    r = j0 + uint64(j)
+                    d = bs[r] * (vs[r * uint64(columns) + uslot] - eg[r] * a[j])
+                    for l in range(j):
+                        d -= ckk[r * uint64(group) + uint64(l)] * dl[l]
+                    dl[j] = d
+                for j in range(group):
+                    r = j0 + uint64(j)
+                    o = eg[r] * b[j]
+                    for l in range(group):
+                        o += cqk[r * uint64(group) + uint64(l)] * dl[l]
+                    if part == 0:
+                        os[r * uint64(columns) + uslot] = o
+                decay = eg[j0 + uint64(group - 1)]
+                for l in range(group):
+                    dl[l] *= ew[j0 + uint64(l)]
                 for i in range(per):
-                    state[i] = e * state[i] + kc[i] * d
-                if part == 0:
-                    os[rv] = e * qd if control else e * qd + qk[r] * d
+                    s = decay * state[i]
+                    for l in range(group):
+                        s += kc[l * per + i] * dl[l]
+                    state[i] = s
             cuda.syncthreads()
-            for idx in range(tid, tile * columns, threads):
+            for idx in range(tid, tile_v, threads):
                 r, c = idx // columns, idx % columns
                 if t0 + r < n and col0 + c < dv:
                     out[t0 + r, hv, col0 + c] = os[idx]
@@ -248,14 +302,15 @@ def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=No
 
     Per value head j (reading q/k head j // (Hv / Hk)), S_0 = 0, float32 throughout:
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
-    geometry: (parts, threads, tile), GEOMETRY by default.
+    geometry: (parts, threads, tile, group), GEOMETRY by default.
     """
     dk, dv = q.shape[2], v.shape[2]
-    parts, threads, tile = geometry or GEOMETRY
-    if dk % (4 * parts) or threads % parts or (tile * dk) % threads or tile > threads:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {(parts, threads, tile)}: "
-                         "dk must be a multiple of 4 parts, tile x dk of the threads, tile at most the threads")
-    key = (control, dk, parts, threads, tile)
+    parts, threads, tile, group = geometry or GEOMETRY
+    if dk % (4 * parts) or threads % parts or (tile * dk) % threads or tile * group > threads or tile % group:
+        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {(parts, threads, tile, group)}: "
+                         "dk must be a multiple of 4 parts, tile x dk of the threads, the tile of the group, "
+                         "tile x group at most the threads")
+    key = (control, dk, parts, threads, tile, group)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
     columns = threads // parts

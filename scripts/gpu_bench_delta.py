@@ -19,8 +19,9 @@ from moss_cli.ops.cuda_table import CudaOps, capture
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": ("recurrent", True), "chunked_tf32": ("chunk", True), "chunked_f32": ("chunk", False)}
-# the recurrence's other launch geometries (parts per column, threads per block, tokens per tile)
-GEOMETRIES = [(4, 256, 16), (8, 128, 16), (16, 256, 16), (8, 256, 32), (4, 128, 16)]
+# the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
+GEOMETRIES = [(8, 256, 16, 1), (8, 256, 16, 2), (8, 256, 32, 2), (8, 256, 32, 4), (8, 256, 32, 8),
+              (16, 256, 16, 4), (8, 128, 16, 4)]
 
 
 def inputs(n, seed=0):
@@ -64,7 +65,7 @@ def main():
             except Exception as exc:          # one failing form must not hide the others
                 row[label + "_ms"] = f"failed: {exc!r}"
         for geometry in GEOMETRIES:
-            label = "recurrent_p{}_t{}_tile{}".format(*geometry)
+            label = "recurrent_p{}_t{}_tile{}_group{}".format(*geometry)
             try:
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", True, geometry)
             except Exception as exc:

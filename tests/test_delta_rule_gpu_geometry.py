@@ -1,6 +1,7 @@
 """Both delta-rule kernels with the launch geometry they get on a GPU (not the simulator's small one),
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with 128-thread blocks,
-4 parts per column and 32-token tiles (45 tokens: a part tile; 16 columns of a 32-column block), and the chunked form
+4 parts per column, 16-token tiles and groups of 4 (45 tokens: part tile and group; 16 columns of a
+32-column block), and the chunked form
 with 64-token chunks, 16-row solve blocks and 256-thread solves (70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
@@ -34,7 +35,7 @@ from cuda_kernels import gdn
 def run(control):
     arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     out = cuda.device_array(inp["v"].shape, np.float32)
-    gdn.gated_delta_rule(*arrays, out, control=control, geometry=(4, 128, 32))
+    gdn.gated_delta_rule(*arrays, out, control=control, geometry=(4, 128, 16, 4))
     return out.copy_to_host()
 expected, bound = gdn._ref_delta(inp)
 print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
