@@ -96,6 +96,23 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
             acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
         return acc
 
+    @jit(device=True)
+    def fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv):
+        """This thread's share of the tile from token t1 into registers (zeros past the end): k and q
+        rows into pk, pq, the block's columns of v into pv; returns its g and beta (tokens t1 + tid)."""
+        n, dv = q.shape[0], v.shape[2]
+        for j in range(fetch):
+            idx = tid + j * threads
+            r, c = t1 + idx // dk, idx % dk
+            pk[j] = k[r, hk, c] if r < n else float32(0.0)
+            pq[j] = q[r, hk, c] if r < n else float32(0.0)
+        for j in range(vfetch):
+            idx = tid + j * threads
+            r, c = idx // columns, idx % columns
+            pv[j] = v[t1 + r, hv, col0 + c] if r < tile and t1 + r < n and col0 + c < dv else float32(0.0)
+        live = tid < tile and t1 + tid < n
+        return (g[t1 + tid, hv] if live else float32(0.0)), (beta[t1 + tid, hv] if live else float32(0.0))
+
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -131,20 +148,7 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
         for i in range(per):
             state[i] = float32(0.0)
         # the first tile's loads (each later tile's are issued before the tile before it runs)
-        pg = float32(0.0)
-        pb = float32(0.0)
-        for j in range(fetch):
-            idx = tid + j * threads
-            r, c = idx // dk, idx % dk
-            pk[j] = k[r, hk, c] if r < n else float32(0.0)
-            pq[j] = q[r, hk, c] if r < n else float32(0.0)
-        for j in range(vfetch):
-            idx = tid + j * threads
-            r, c = idx // columns, idx % columns
-            pv[j] = v[r, hv, col0 + c] if r < tile and r < n and col0 + c < dv else float32(0.0)
-        if tid < tile and tid < n:
-            pg = g[tid, hv]
-            pb = beta[tid, hv]
+        pg, pb = fetch_tile(q, k, v, g, beta, 0, hk, hv, col0, tid, pk, pq, pv)
         uquad, uslot = uint64(4 * part), uint64(slot)
         for t0 in range(0, n, tile):
             cuda.syncthreads()              # every thread is done with the previous tile
@@ -188,20 +192,7 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                 cqk[pair] = decay * qk if (l < j if control else l <= j) else float32(0.0)
             t1 = t0 + tile                  # the next tile's loads, in flight while this one runs
             if t1 < n:
-                for j in range(fetch):
-                    idx = tid + j * threads
-                    r, c = t1 + idx // dk, idx % dk
-                    pk[j] = k[r, hk, c] if r < n else float32(0.0)
-                    pq[j] = q[r, hk, c] if r < n else float32(0.0)
-                for j in range(vfetch):
-                    idx = tid + j * threads
-                    r, c = idx // columns, idx % columns
-                    pv[j] = v[t1 + r, hv, col0 + c] if r < tile and t1 + r < n and col0 + c < dv else float32(0.0)
-                pg = float32(0.0)
-                pb = float32(0.0)
-                if tid < tile and t1 + tid < n:
-                    pg = g[t1 + tid, hv]
-                    pb = beta[t1 + tid, hv]
+                pg, pb = fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv)
             cuda.syncthreads()
             # tokens past the end have k = q = v = 0, g = 0, beta = 0: they leave the state as it is
             for grp in range(uint64((min(tile, n - t0) + group - 1) // group)):
