@@ -24,7 +24,7 @@ from cuda_kernels.layout import random_bf16
 
 # (name, K, N, residual): the Qwen3.5-9B encoder's products as the fused graph runs them, then the DiT's
 SHAPES = [("enc GDN in_proj (stacked)", 4096, 12352, False), ("enc out_proj / o_proj", 4096, 4096, True),
-          ("enc attn q|k|v", 4096, 10240, False), ("enc gate|up", 4096, 24576, False),
+          ("enc attn q+k+v", 4096, 10240, False), ("enc gate+up", 4096, 24576, False),
           ("enc down", 12288, 4096, True),
           ("DiT q/k/v/o", 3072, 3072, False), ("DiT up+gate", 3072, 16384, False), ("DiT down", 8192, 3072, False)]
 ROWS = (112, 1024, 4352)

@@ -29,6 +29,8 @@ CONFIG = {"text_config": {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
+# other launch geometries of the delta rule's recurrence timed in the whole graph (parts, threads, tile, group)
+DELTA_GEOMETRIES = [(8, 256, 16, 1), (8, 256, 16, 2), (8, 256, 32, 4), (8, 256, 32, 8)]
 
 
 def small_param(name, shape, rng):
@@ -205,6 +207,12 @@ def main():
         for n, ids in prompts.items():
             speed[n][f"ours_{label}_delta_ms"] = replay_ms(enc, ids)
     enc.model.form, ops.chunk_from, enc._captured = "chunk", default_from, {}
+    # and with other launch geometries of the token recurrence (gdn.GEOMETRY is the default)
+    for geometry in DELTA_GEOMETRIES:
+        ops.delta_geometry, enc._captured = geometry, {}
+        for n, ids in prompts.items():
+            speed[n]["ours_delta_p{}_t{}_tile{}_group{}_ms".format(*geometry)] = replay_ms(enc, ids)
+    ops.delta_geometry, enc._captured = None, {}
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
     untuned, gemm._blas = gemm.blas(), gemm.Blas(tune=True)
