@@ -14,9 +14,11 @@ from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit
 
-# (threads per state column, threads per block, tokens per tile, tokens per group) for the delta rule;
-# the simulator pays per thread, so it gets one warp and short tiles
-GEOMETRY = (2, 32, 4, 2) if SIMULATED else (8, 256, 16, 4)
+# (threads per state column, threads per block, tokens per tile, tokens per group) for the delta rule
+# (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2, 1.6 and 2.7 times
+# slower than token by token (BENCHMARKS.md); the simulator pays per thread, so it gets one warp, short
+# tiles, and groups of 2 (so CI runs the group algebra).
+GEOMETRY = (2, 32, 4, 2) if SIMULATED else (8, 256, 16, 1)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
@@ -288,19 +290,31 @@ def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
     _conv[key][grid, threads, stream](x, w, out, bool(activate))
 
 
+def fit_geometry(dk, geometry):
+    """The launch geometry (parts, threads, tile, group) for key dim dk: fewer parts per column while dk is
+    not a multiple of 4 parts, a longer tile while tile x dk is not a multiple of the threads (a small dk,
+    as the tiny checkpoint's 8); ValueError when dk is not a multiple of 4 or the group does not fit."""
+    parts, threads, tile, group = geometry
+    while parts > 1 and dk % (4 * parts):
+        parts //= 2
+    step = threads // math.gcd(dk, threads)             # tile x dk % threads == 0 <=> step divides tile
+    step = step * group // math.gcd(step, group)        # and the group divides the tile
+    tile = -(-tile // step) * step
+    if dk % (4 * parts) or threads % parts or tile * group > threads:
+        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {geometry}: dk must be a "
+                         "multiple of 4, and tile x group at most the threads")
+    return parts, threads, tile, group
+
+
 def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=None):
     """out [L, Hv, dv] from q, k [L, Hk, dk] (normed, scaled), v [L, Hv, dv], log-decay g and beta [L, Hv].
 
     Per value head j (reading q/k head j // (Hv / Hk)), S_0 = 0, float32 throughout:
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
-    geometry: (parts, threads, tile, group), GEOMETRY by default.
+    geometry: (parts, threads, tile, group), GEOMETRY by default, fitted to dk (fit_geometry).
     """
     dk, dv = q.shape[2], v.shape[2]
-    parts, threads, tile, group = geometry or GEOMETRY
-    if dk % (4 * parts) or threads % parts or (tile * dk) % threads or tile * group > threads or tile % group:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {(parts, threads, tile, group)}: "
-                         "dk must be a multiple of 4 parts, tile x dk of the threads, the tile of the group, "
-                         "tile x group at most the threads")
+    parts, threads, tile, group = fit_geometry(dk, geometry or GEOMETRY)
     key = (control, dk, parts, threads, tile, group)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)

@@ -1,7 +1,7 @@
 """Both delta-rule kernels with the launch geometry they get on a GPU (not the simulator's small one),
-run in the numba CUDA simulator against the float64 recurrence: the recurrence with 128-thread blocks,
-4 parts per column, 16-token tiles and groups of 4 (45 tokens: part tile and group; 16 columns of a
-32-column block), and the chunked form
+run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
+geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
+to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
 with 64-token chunks, 16-row solve blocks and 256-thread solves (70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
@@ -20,7 +20,7 @@ INPUTS = """
 import numpy as np
 from cuda_kernels.core import gate
 rng = np.random.default_rng(3)
-n, hk, hv, dk, dv = {n}, 1, 2, 16, 16
+n, hk, hv, dk, dv = {n}, 1, 2, {dk}, 16
 def unit(a): return a / np.linalg.norm(a, axis=-1, keepdims=True)
 inp = {{"q": (unit(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.float32),
         "k": unit(rng.standard_normal((n, hk, dk))).astype(np.float32),
@@ -29,19 +29,19 @@ inp = {{"q": (unit(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.flo
         "beta": rng.uniform(0.0, 1.0, (n, hv)).astype(np.float32)}}
 """
 
-RECURRENT = INPUTS.format(n=45) + """
+RECURRENT = """
 from numba import cuda
 from cuda_kernels import gdn
 def run(control):
     arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     out = cuda.device_array(inp["v"].shape, np.float32)
-    gdn.gated_delta_rule(*arrays, out, control=control, geometry=(4, 128, 16, 4))
+    gdn.gated_delta_rule(*arrays, out, control=control, geometry={geometry})
     return out.copy_to_host()
 expected, bound = gdn._ref_delta(inp)
 print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 """
 
-CHUNKED = INPUTS.format(n=70) + """
+CHUNKED = INPUTS.format(n=70, dk=16) + """
 from cuda_kernels import gdn_chunk as gc
 gc.CHUNK, gc.SUB, gc.THREADS = 64, 16, 256
 gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
@@ -51,7 +51,18 @@ print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), ex
 """
 
 
-@pytest.mark.parametrize("script", [RECURRENT, CHUNKED], ids=["recurrence", "chunked"])
+SCRIPTS = {
+    # the GPU's default (8, 256, 16, 1), fitted to dk = 16: 4 parts, 64 columns a block
+    "recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(8, 256, 16, 1)),
+    # the tiny checkpoint's dk = 8 (2 parts, 32-token tiles): what `moss-encode --device cuda` runs on it
+    "recurrence dk 8": INPUTS.format(n=45, dk=8) + RECURRENT.format(geometry=(8, 256, 16, 1)),
+    # groups of 4 tokens (the group algebra at a GPU geometry; the simulator's default groups 2)
+    "grouped recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(4, 128, 16, 4)),
+    "chunked": CHUNKED,
+}
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
 def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, env=env, capture_output=True,
