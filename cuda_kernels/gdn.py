@@ -92,8 +92,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     def row_dot(xs, ys, rx, ry, lane):
         """Sum over c < dk of xs[rx dk + c] ys[ry dk + c], by the 32 lanes of a warp."""
         acc = float32(0.0)
+        bx, by = uint64(rx * dk), uint64(ry * dk)
         for c in range(lane, dk, 32):
-            acc += xs[rx * dk + c] * ys[ry * dk + c]
+            acc += xs[bx + uint64(c)] * ys[by + uint64(c)]
         for step in (16, 8, 4, 2, 1):
             acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
         return acc
@@ -101,19 +102,27 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     @jit(device=True)
     def fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv):
         """This thread's share of the tile from token t1 into registers (zeros past the end): k and q
-        rows into pk, pq, the block's columns of v into pv; returns its g and beta (tokens t1 + tid)."""
-        n, dv = q.shape[0], v.shape[2]
+        rows into pk, pq, the block's columns of v into pv; returns its g and beta (tokens t1 + tid).
+        All unsigned (t1, heads, col0, tid too): no negative-index wrap; rows and columns are clamped,
+        so every read is in bounds and the ones past the end become zeros without a branch."""
+        n, dv = uint64(q.shape[0]), uint64(v.shape[2])
+        last, last_c = n - uint64(1), dv - uint64(1)
         for j in range(fetch):
-            idx = tid + j * threads
-            r, c = t1 + idx // dk, idx % dk
-            pk[j] = k[r, hk, c] if r < n else float32(0.0)
-            pq[j] = q[r, hk, c] if r < n else float32(0.0)
+            idx = tid + uint64(j * threads)
+            r, c = t1 + idx // uint64(dk), idx % uint64(dk)
+            kv = k[min(r, last), hk, c]
+            qv = q[min(r, last), hk, c]
+            pk[j] = kv if r < n else float32(0.0)
+            pq[j] = qv if r < n else float32(0.0)
         for j in range(vfetch):
-            idx = tid + j * threads
-            r, c = idx // columns, idx % columns
-            pv[j] = v[t1 + r, hv, col0 + c] if r < tile and t1 + r < n and col0 + c < dv else float32(0.0)
-        live = tid < tile and t1 + tid < n
-        return (g[t1 + tid, hv] if live else float32(0.0)), (beta[t1 + tid, hv] if live else float32(0.0))
+            idx = tid + uint64(j * threads)
+            r, c = t1 + idx // uint64(columns), col0 + idx % uint64(columns)
+            vv = v[min(r, last), hv, min(c, last_c)]
+            pv[j] = vv if idx < uint64(tile_v) and r < n and c < dv else float32(0.0)
+        r = min(t1 + tid, last)
+        gv, bv = g[r, hv], beta[r, hv]
+        live = tid < uint64(tile) and t1 + tid < n
+        return (gv if live else float32(0.0)), (bv if live else float32(0.0))
 
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
@@ -144,22 +153,27 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
         a = cuda.local.array(group, float32)
         b = cuda.local.array(group, float32)
         dl = cuda.local.array(group, float32)
+        ej = cuda.local.array(group, float32)
+        bj = cuda.local.array(group, float32)
+        vj = cuda.local.array(group, float32)
+        wj = cuda.local.array(group, float32)
         pk = cuda.local.array(fetch, float32)
         pq = cuda.local.array(fetch, float32)
         pv = cuda.local.array(vfetch, float32)
         for i in range(per):
             state[i] = float32(0.0)
+        utid, uhk, uhv, ucol0 = uint64(tid), uint64(hk), uint64(hv), uint64(col0)
         # the first tile's loads (each later tile's are issued before the tile before it runs)
-        pg, pb = fetch_tile(q, k, v, g, beta, 0, hk, hv, col0, tid, pk, pq, pv)
+        pg, pb = fetch_tile(q, k, v, g, beta, uint64(0), uhk, uhv, ucol0, utid, pk, pq, pv)
         uquad, uslot = uint64(4 * part), uint64(slot)
         for t0 in range(0, n, tile):
             cuda.syncthreads()              # every thread is done with the previous tile
             for j in range(fetch):
-                ks[tid + j * threads] = pk[j]
-                qs[tid + j * threads] = pq[j]
+                ks[utid + uint64(j * threads)] = pk[j]
+                qs[utid + uint64(j * threads)] = pq[j]
             for j in range(vfetch):
-                if tid + j * threads < tile_v:
-                    vs[tid + j * threads] = pv[j]
+                if utid + uint64(j * threads) < uint64(tile_v):
+                    vs[utid + uint64(j * threads)] = pv[j]
             if tid < tile:
                 cum[tid] = pg
                 bs[tid] = pb
@@ -181,36 +195,45 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                 src = r - j + l
                 kk = float32(0.0)
                 qk = float32(0.0)
-                if l <= j:
-                    if SIMULATED:
-                        for c in range(dk):
-                            kk += ks[src * dk + c] * ks[r * dk + c]
-                            qk += ks[src * dk + c] * qs[r * dk + c]
-                    else:
+                if SIMULATED:
+                    for c in range(dk):
+                        kk += ks[src * dk + c] * ks[r * dk + c]
+                        qk += ks[src * dk + c] * qs[r * dk + c]
+                else:                           # (whole warps take a branch: pair is the warp's)
+                    if l < j:
                         kk = row_dot(ks, ks, src, r, tid % 32)
+                    if l <= j:
                         qk = row_dot(ks, qs, src, r, tid % 32)
                 decay = math.exp(cum[r] - cum[src]) if l <= j else float32(0.0)
                 ckk[pair] = bs[r] * decay * kk if l < j else float32(0.0)
                 cqk[pair] = decay * qk if (l < j if control else l <= j) else float32(0.0)
             t1 = t0 + tile                  # the next tile's loads, in flight while this one runs
             if t1 < n:
-                pg, pb = fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv)
+                pg, pb = fetch_tile(q, k, v, g, beta, uint64(t1), uhk, uhv, ucol0, utid, pk, pq, pv)
             cuda.syncthreads()
             # tokens past the end have k = q = v = 0, g = 0, beta = 0: they leave the state as it is
             for grp in range(uint64((min(tile, n - t0) + group - 1) // group)):
                 j0 = grp * uint64(group)
+                for j in range(group):          # the group's scalars first, in flight during the dots
+                    r = j0 + uint64(j)
+                    ej[j], bj[j], vj[j], wj[j] = eg[r], bs[r], vs[r * uint64(columns) + uslot], ew[r]
                 for j in range(group):
                     rk = (j0 + uint64(j)) * uint64(dk) + uquad
-                    acc_a = float32(0.0)
-                    acc_b = float32(0.0)
-                    for i in range(per):
-                        at = (i // 4) * 4 * parts + i % 4      # row of state[i], less 4 part
-                        kv = ks[rk + uint64(at)]
-                        kc[j * per + i] = kv
-                        acc_a += state[i] * kv
-                        acc_b += state[i] * qs[rk + uint64(at)]
-                    a[j] = acc_a
-                    b[j] = acc_b
+                    a0 = float32(0.0)           # two sums per dot product: half the serial chain
+                    a1 = float32(0.0)
+                    b0 = float32(0.0)
+                    b1 = float32(0.0)
+                    for i in range(0, per, 2):
+                        at0 = (i // 4) * 4 * parts + i % 4      # rows of state[i], state[i + 1], less 4 part
+                        k0, k1 = ks[rk + uint64(at0)], ks[rk + uint64(at0 + 1)]
+                        kc[j * per + i] = k0
+                        kc[j * per + i + 1] = k1
+                        a0 += state[i] * k0
+                        a1 += state[i + 1] * k1
+                        b0 += state[i] * qs[rk + uint64(at0)]
+                        b1 += state[i + 1] * qs[rk + uint64(at0 + 1)]
+                    a[j] = a0 + a1
+                    b[j] = b0 + b1
                 if SIMULATED:
                     for j in range(group):
                         a[j] = column_sum(red, tid, first, a[j])
@@ -224,30 +247,31 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                         step *= 2
                 for j in range(group):
                     r = j0 + uint64(j)
-                    d = bs[r] * (vs[r * uint64(columns) + uslot] - eg[r] * a[j])
+                    d = bj[j] * (vj[j] - ej[j] * a[j])
                     for l in range(j):
                         d -= ckk[r * uint64(group) + uint64(l)] * dl[l]
                     dl[j] = d
                 for j in range(group):
                     r = j0 + uint64(j)
-                    o = eg[r] * b[j]
+                    o = ej[j] * b[j]
                     for l in range(group):
                         o += cqk[r * uint64(group) + uint64(l)] * dl[l]
                     if part == 0:
                         os[r * uint64(columns) + uslot] = o
-                decay = eg[j0 + uint64(group - 1)]
+                decay = ej[group - 1]
                 for l in range(group):
-                    dl[l] *= ew[j0 + uint64(l)]
+                    dl[l] *= wj[l]
                 for i in range(per):
                     s = decay * state[i]
                     for l in range(group):
                         s += kc[l * per + i] * dl[l]
                     state[i] = s
             cuda.syncthreads()
-            for idx in range(tid, tile_v, threads):
-                r, c = idx // columns, idx % columns
-                if t0 + r < n and col0 + c < dv:
-                    out[t0 + r, hv, col0 + c] = os[idx]
+            for j in range(vfetch):
+                idx = utid + uint64(j * threads)
+                r, c = uint64(t0) + idx // uint64(columns), ucol0 + idx % uint64(columns)
+                if idx < uint64(tile_v) and r < uint64(n) and c < uint64(dv):
+                    out[r, uhv, c] = os[idx]
     return gated_delta_rule
 
 
