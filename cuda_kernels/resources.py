@@ -19,7 +19,7 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import elementwise, embedding, gdn, gdn_chunk, layout, norms, rope_attention
+    from . import elementwise, embedding, gdn, gdn_chunk, layout, mma, norms, rope_attention
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -52,6 +52,7 @@ def _signatures():
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_diagonal": (gdn_chunk._add_diagonal, (f3, f4)),
         "delta_chunk_scatter": (gdn_chunk._scatter, (f4, f3)),
+        "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
     }
 
 

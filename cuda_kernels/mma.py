@@ -1,0 +1,117 @@
+"""Tensor cores from numba: the warp-wide mma.sync m16n8k16 (bf16 inputs, float32 accumulators) through
+inline PTX (numba_cuda.md 4.2), and a plain product kernel over it, the gate-checked base for in-kernel
+tensor-core work (the chunked delta rule's within-chunk products, flash attention). GPU only: the
+simulator cannot run inline PTX.
+
+Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16): with lane = 4 row + quad,
+  A (16 x 16, row-major), four 32-bit registers of two bf16 each, the lower column in the low half:
+    a0 = A[row, 2 quad : 2 quad + 2], a1 = A[row + 8, 2 quad : +2], a2 = A[row, 2 quad + 8 : +2],
+    a3 = A[row + 8, 2 quad + 8 : +2];
+  B (16 x 8, "col": stored as B^T, 8 rows of 16), two registers:
+    b0 = B[2 quad : 2 quad + 2, row], b1 = B[2 quad + 8 : +2, row];
+  C, D (16 x 8 float32): c0, c1 = C[row, 2 quad], C[row, 2 quad + 1]; c2, c3 the same at row + 8.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, float32, types, uint32
+from numba.cuda.extending import intrinsic
+
+from .core import Case, from_bf16_bits, gamma, jit, to_bf16_bits
+
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+@intrinsic
+def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """(d0, d1, d2, d3) = A B + C for one warp's fragments (every lane of the warp must call it)."""
+    sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
+
+    def codegen(context, builder, signature, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+        asm = ir.InlineAsm(fnty, _MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+        result = builder.call(asm, args)
+        parts = [builder.extract_value(result, i) for i in range(4)]
+        return context.make_tuple(builder, signature.return_type, parts)
+    return sig, codegen
+
+
+@jit(device=True, forceinline=True)
+def pair(bits, row, col):
+    """Two neighbouring bf16 of a row, bits[row, col] in the low half and bits[row, col + 1] in the high."""
+    return uint32(bits[row, col]) | (uint32(bits[row, col + 1]) << uint32(16))
+
+
+def _make_product(control):
+    @jit
+    def mma_product(x, w, out):
+        """out [M, N] = x [M, K] w [N, K]^T in float32, bf16 bits in; a warp per 16 x 8 tile of out,
+        M % 16 == N % 8 == K % 16 == 0. control: w's two k halves swapped (b0 <-> b1)."""
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        tiles_n = out.shape[1] // 8
+        if warp >= (out.shape[0] // 16) * tiles_n:
+            return
+        m0, n0 = 16 * (warp // tiles_n), 8 * (warp % tiles_n)
+        row, quad = lane // 4, lane % 4
+        c0 = float32(0.0)
+        c1 = float32(0.0)
+        c2 = float32(0.0)
+        c3 = float32(0.0)
+        for k0 in range(0, x.shape[1], 16):
+            a0 = pair(x, m0 + row, k0 + 2 * quad)
+            a1 = pair(x, m0 + row + 8, k0 + 2 * quad)
+            a2 = pair(x, m0 + row, k0 + 2 * quad + 8)
+            a3 = pair(x, m0 + row + 8, k0 + 2 * quad + 8)
+            b0 = pair(w, n0 + row, k0 + 2 * quad)
+            b1 = pair(w, n0 + row, k0 + 2 * quad + 8)
+            if control:
+                b0, b1 = b1, b0
+            c0, c1, c2, c3 = mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        out[m0 + row, n0 + 2 * quad] = c0
+        out[m0 + row, n0 + 2 * quad + 1] = c1
+        out[m0 + row + 8, n0 + 2 * quad] = c2
+        out[m0 + row + 8, n0 + 2 * quad + 1] = c3
+    return mma_product
+
+
+_product = {c: _make_product(c) for c in (False, True)}
+
+
+def mma_product(x, w, out, stream=0, control=False):
+    """out = x w^T (float32) on tensor cores, x [M, K] and w [N, K] bf16 bits; M, N, K multiples of 16, 8, 16."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m % 16 or n % 8 or k % 16 or w.shape[1] != k or out.shape != (m, n):
+        raise ValueError(f"mma_product: shapes {x.shape} x {w.shape} -> {out.shape}: M, N, K must be multiples of "
+                         "16, 8, 16")
+    warps = (m // 16) * (n // 8)
+    _product[control][((warps + 3) // 4,), 128, stream](x, w, out)
+
+
+# --- contract (GPU only) -----------------------------------------------------------------------
+def _make(rng, size):
+    m, k, n = (32, 64, 24) if size == "tiny" else (1024, 4096, 512)
+    return {"x": to_bf16_bits(rng.standard_normal((m, k))), "w": to_bf16_bits(rng.standard_normal((n, k)))}
+
+
+def _run(inp, control):
+    x, w = cuda.to_device(inp["x"]), cuda.to_device(inp["w"])
+    out = cuda.device_array((x.shape[0], w.shape[0]), np.float32)
+    mma_product(x, w, out, control=control)
+    return out.copy_to_host()
+
+
+def _ref(inp):
+    x, w = from_bf16_bits(inp["x"]), from_bf16_bits(inp["w"])
+    # bf16 products are exact in float32; K of them summed with float32 accumulators (the tensor cores'
+    # internal order is not documented: a full K-term bound, x2)
+    return x @ w.T, 2 * gamma(x.shape[1]) * (np.abs(x) @ np.abs(w).T) + 1e-30
+
+
+CASES = [
+    Case("mma_bf16_product", _make, _run, _ref, simulator=False,
+         notes="control: the two k halves of the B fragment swapped"),
+]
