@@ -339,6 +339,8 @@ def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=No
     """
     dk, dv = q.shape[2], v.shape[2]
     parts, threads, tile, group = fit_geometry(dk, geometry or GEOMETRY)
+    if q.shape[0] == 0:         # nothing to do (the kernel's clamped reads assume a first token)
+        return
     key = (control, dk, parts, threads, tile, group)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
