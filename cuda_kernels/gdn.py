@@ -1,10 +1,11 @@
 """Gated DeltaNet: the causal depthwise conv (+ silu) and the gated delta rule with a float32 state.
 
-The delta rule runs the recurrence (encoder.md 2.5 step 6) token by token. Each column c of a value
-head's state S [dk, dv] evolves on its own, so `parts` threads share one column, each holding dk / parts
-rows of it in registers; the two dot products with S per token are summed across the parts. The
-tokens' k, q, v, decay and beta come in tiles through shared memory, the next tile's global loads in
-flight (in registers) while the current tile runs.
+The delta rule runs the recurrence (encoder.md 2.5 step 6) token by token by default (a group of tokens
+per round is a geometry option, measured slower). Each column c of a value head's state S [dk, dv]
+evolves on its own, so `parts` threads share one column, each holding dk / parts rows of it in
+registers; the two dot products with S per token are summed across the parts. The tokens' k, q, v,
+decay and beta come in tiles through shared memory, the next tile's global loads in flight (in
+registers) while the current tile runs.
 """
 
 import math
