@@ -9,7 +9,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from .core import (BLOCK, EPS32, SHARED, Case, bf16_bound, from_bf16_bits, gamma, heads_view, jit, narrow, row_team,
                    team_sum)
@@ -30,26 +30,26 @@ def _load_row(team, per):
         row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         lane = cuda.threadIdx.x % team
         live = row < x.shape[0] * x.shape[1]
-        t, h = row // x.shape[1], row % x.shape[1]
+        t, h = uint64(row // x.shape[1]), uint64(row % x.shape[1])   # unsigned: no negative-index wrap
         d = x.shape[2] if live else 0
         acc = float32(0.0)
         for j in range(per):
             i = lane + j * team
-            vals[j] = x[t, h, i] if i < d else float32(0.0)
+            vals[j] = x[t, h, uint64(i)] if i < d else float32(0.0)
             acc += vals[j] * vals[j]
         for i in range(lane + per * team, d, team):
-            acc += x[t, h, i] * x[t, h, i]
+            acc += x[t, h, uint64(i)] * x[t, h, uint64(i)]
         return t, h, lane, live, acc
     return load_row
 
 
 @jit(device=True)
-def _store(out, row, i, y, bits):
-    """out[row, i] = y, as bf16 bits (round to nearest even) when `bits`."""
+def _store(out, t, h, i, y, bits):
+    """out[t, h, i] = y, as bf16 bits (round to nearest even) when `bits`."""
     if bits:
-        out[row, i] = narrow(y)
+        out[t, h, i] = narrow(y)
     else:
-        out[row, i] = y
+        out[t, h, i] = y
 
 
 @jit(device=True)
@@ -76,9 +76,11 @@ def _rms(control, bits, team, per):
         for j in range(per):
             i = lane + j * team
             if i < d:
-                _store(out[t], h, i, vals[j] * r * (w[i] if control else offset + w[i]), bits)
+                u = uint64(i)
+                _store(out, t, h, u, vals[j] * r * (w[u] if control else offset + w[u]), bits)
         for i in range(lane + per * team, d, team):
-            _store(out[t], h, i, x[t, h, i] * r * (w[i] if control else offset + w[i]), bits)
+            u = uint64(i)
+            _store(out, t, h, u, x[t, h, u] * r * (w[u] if control else offset + w[u]), bits)
     return rms_norm
 
 
@@ -101,9 +103,9 @@ def _l2(control, team, per):
         for j in range(per):
             i = lane + j * team
             if i < d:
-                out[t, h, i] = vals[j] * r
+                out[t, h, uint64(i)] = vals[j] * r
         for i in range(lane + per * team, d, team):
-            out[t, h, i] = x[t, h, i] * r
+            out[t, h, uint64(i)] = x[t, h, uint64(i)] * r
     return l2_norm
 
 
@@ -123,9 +125,11 @@ def _gated(control, bits, team, per):
         for j in range(per):
             i = lane + j * team
             if i < d:
-                _store(out[t], h, i, w[i] * (vals[j] * r) * _gate(z[t, h, i], control), bits)
+                u = uint64(i)
+                _store(out, t, h, u, w[u] * (vals[j] * r) * _gate(z[t, h, u], control), bits)
         for i in range(lane + per * team, d, team):
-            _store(out[t], h, i, w[i] * (x[t, h, i] * r) * _gate(z[t, h, i], control), bits)
+            u = uint64(i)
+            _store(out, t, h, u, w[u] * (x[t, h, u] * r) * _gate(z[t, h, u], control), bits)
     return gated_rms_norm
 
 

@@ -39,6 +39,9 @@ def _make_rope(control):
     return rope
 
 
+NEG_INF = np.float32(-np.inf)
+
+
 @functools.cache
 def _softmax(control, team, per):
     @jit(launch_bounds=(BLOCK, 4))     # four blocks per SM: enough scores in flight
@@ -57,10 +60,10 @@ def _softmax(control, team, per):
         if not live:
             last = -1
         # keys past `last` are masked: never read, written as zeros
-        m = -math.inf
+        m = NEG_INF                     # float32: a Python -inf would make m, and every exp after it, float64
         for j in range(per):
             i = lane + j * team
-            vals[j] = s[h, t, i] * scale if i <= last else -math.inf
+            vals[j] = s[h, t, i] * scale if i <= last else NEG_INF
             m = max(m, vals[j])
         for i in range(lane + per * team, last + 1, team):
             m = max(m, s[h, t, i] * scale)
