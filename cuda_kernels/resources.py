@@ -4,13 +4,19 @@
     python -m cuda_kernels.resources --write    # rewrite cuda_kernels/RESOURCES.json
 
 Needs numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) but no GPU: kernels are compiled to PTX with the
-argument types they are launched with, then linked for sm_90 by nvJitLink, whose ptxas log is parsed.
+argument types they are launched with, then linked for sm_90 by nvJitLink, whose ptxas log is parsed; the
+cubin is disassembled by nvdisasm (the nvidia-cuda-nvdisasm wheel) to count its instructions and its
+float64 ones (every kernel is meant to compute in float32: a Python float constant in a kernel makes
+float64 arithmetic that nothing else shows).
 """
 
 import argparse
 import json
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 RECORD = Path(__file__).with_name("RESOURCES.json")
@@ -80,17 +86,46 @@ def toolchain():
             "nvjitlink": ".".join(map(str, nvjitlink.version()))}
 
 
+FP64 = re.compile(r"\b(DFMA|DADD|DMUL|DSETP|DMNMX|F2F\.F64|F2F\.F32\.F64|I2F\.F64|F2I\.F64)")
+
+
+def nvdisasm():
+    """The nvdisasm executable: the nvidia-cuda-nvdisasm wheel's, else one on PATH, else None."""
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            for found in Path(root).glob("cu*/bin/nvdisasm"):
+                return str(found)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+def count_instructions(cubin, tool):
+    """(instructions, float64 instructions) in a cubin's SASS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    return len(lines), sum(1 for line in lines if FP64.search(line))
+
+
 def measure():
-    """{kernel: {registers, shared_bytes, stack_bytes, spill_stores, spill_loads, local_bytes}}."""
+    """{kernel: {registers, shared_bytes, stack_bytes, spill_stores, spill_loads, local_bytes, instructions,
+    fp64_instructions}}."""
     from cuda.core import Linker, LinkerOptions, ObjectCode
     from numba import cuda
     _no_gpu_shim()
+    tool = nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install 'nvidia-cuda-nvdisasm==13.*'")
     out = {}
     for name, (kernel, sig) in _signatures().items():
         bounds = kernel.targetoptions.get("launch_bounds")     # it changes the register allocation
         ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=ARCH, launch_bounds=bounds)
         linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_%d%d" % ARCH, verbose=True))
-        linker.link("cubin")
+        cubin = bytes(linker.link("cubin").code)
         log = linker.get_info_log()
         props = re.search(r"used (\d+) registers.*?(\d+) stack, (\d+) bytes smem.*?(\d+) bytes lmem", log)
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -98,6 +133,7 @@ def measure():
             raise RuntimeError(f"{name}: could not read the ptxas log:\n{log}")
         out[name] = {"registers": int(props[1]), "stack_bytes": int(props[2]), "shared_bytes": int(props[3]),
                      "local_bytes": int(props[4]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
+        out[name]["instructions"], out[name]["fp64_instructions"] = count_instructions(cubin, tool)
     return out
 
 
