@@ -1,7 +1,9 @@
 """Tensor cores from numba: the warp-wide mma.sync m16n8k16 (bf16 inputs, float32 accumulators) through
 inline PTX (numba_cuda.md 4.2), and a plain product kernel over it, the gate-checked base for in-kernel
-tensor-core work (the chunked delta rule's within-chunk products, flash attention). GPU only: the
-simulator cannot run inline PTX.
+tensor-core work (the chunked delta rule's within-chunk products, flash attention). The simulator cannot
+run inline PTX: there `mma_bf16` is a statement of the instruction from the fragment layout below (the
+warp's registers exchanged through shared memory), so the kernels' fragment packing is checked on CI
+against that layout, and on the GPU against the tensor cores.
 
 Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16): with lane = 4 row + quad,
   A (16 x 16, row-major), four 32-bit registers of two bf16 each, the lower column in the low half:
@@ -17,14 +19,16 @@ from llvmlite import ir
 from numba import cuda, float32, types, uint32
 from numba.cuda.extending import intrinsic
 
-from .core import Case, from_bf16_bits, gamma, jit, to_bf16_bits
+from .core import SIMULATED, Case, from_bf16_bits, gamma, jit, to_bf16_bits
+
+THREADS = 128      # threads per block of the kernels here (whole warps)
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
 
 
 @intrinsic
-def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+def _mma_ptx(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """(d0, d1, d2, d3) = A B + C for one warp's fragments (every lane of the warp must call it)."""
     sig = types.UniTuple(types.float32, 4)(*([types.uint32] * 6 + [types.float32] * 4))
 
@@ -36,6 +40,41 @@ def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         parts = [builder.extract_value(result, i) for i in range(4)]
         return context.make_tuple(builder, signature.return_type, parts)
     return sig, codegen
+
+
+@jit(device=True)
+def _mma_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """The simulator's mma_bf16: each lane posts its six registers, then reads A and B back through the
+    fragment layout (module docstring) and sums its four outputs in float32, k in order. Every thread of
+    the block must call it (it synchronises the block)."""
+    regs = cuda.shared.array((THREADS, 6), np.uint32)
+    tid = cuda.threadIdx.x
+    for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
+        regs[tid, i] = r
+    cuda.syncthreads()
+    base = tid - tid % 32
+    row, quad = (tid % 32) // 4, tid % 4
+
+    def element(reg, lane, high):         # one bf16 of a posted register, as a float32
+        bits = (int(regs[base + lane, reg]) >> (16 if high else 0)) & 0xFFFF
+        return np.array([bits << 16], dtype=np.uint32).view(np.float32)[0]
+
+    def a(i, k):                          # A[i, k]: lane 4 (i % 8) + (k % 8) // 2, register by half
+        return element((i // 8) + 2 * (k // 8), 4 * (i % 8) + (k % 8) // 2, k % 2)
+
+    def b(k, j):                          # B[k, j]: lane 4 j + (k % 8) // 2, register b0 or b1
+        return element(4 + k // 8, 4 * j + (k % 8) // 2, k % 2)
+    out = []
+    for i, j, c in ((row, 2 * quad, c0), (row, 2 * quad + 1, c1), (row + 8, 2 * quad, c2), (row + 8, 2 * quad + 1, c3)):
+        acc = np.float32(c)
+        for k in range(16):
+            acc = np.float32(acc + a(i, k) * b(k, j))
+        out.append(acc)
+    cuda.syncthreads()
+    return out[0], out[1], out[2], out[3]
+
+
+mma_bf16 = _mma_stated if SIMULATED else _mma_ptx
 
 
 @jit(device=True, forceinline=True)
@@ -52,9 +91,10 @@ def _make_product(control):
         lane = cuda.threadIdx.x % 32
         warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
         tiles_n = out.shape[1] // 8
-        if warp >= (out.shape[0] // 16) * tiles_n:
-            return
-        m0, n0 = 16 * (warp // tiles_n), 8 * (warp % tiles_n)
+        tiles = (out.shape[0] // 16) * tiles_n
+        live = warp < tiles               # a warp past the last tile computes the last one, writes nothing
+        tile = min(warp, tiles - 1)
+        m0, n0 = 16 * (tile // tiles_n), 8 * (tile % tiles_n)
         row, quad = lane // 4, lane % 4
         c0 = float32(0.0)
         c1 = float32(0.0)
@@ -70,10 +110,11 @@ def _make_product(control):
             if control:
                 b0, b1 = b1, b0
             c0, c1, c2, c3 = mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-        out[m0 + row, n0 + 2 * quad] = c0
-        out[m0 + row, n0 + 2 * quad + 1] = c1
-        out[m0 + row + 8, n0 + 2 * quad] = c2
-        out[m0 + row + 8, n0 + 2 * quad + 1] = c3
+        if live:
+            out[m0 + row, n0 + 2 * quad] = c0
+            out[m0 + row, n0 + 2 * quad + 1] = c1
+            out[m0 + row + 8, n0 + 2 * quad] = c2
+            out[m0 + row + 8, n0 + 2 * quad + 1] = c3
     return mma_product
 
 
@@ -88,7 +129,7 @@ def mma_product(x, w, out, stream=0, control=False):
         raise ValueError(f"mma_product: shapes {x.shape} x {w.shape} -> {out.shape}: M, N, K must be multiples of "
                          "16, 8, 16")
     warps = (m // 16) * (n // 8)
-    _product[control][((warps + 3) // 4,), 128, stream](x, w, out)
+    _product[control][((warps + THREADS // 32 - 1) // (THREADS // 32),), THREADS, stream](x, w, out)
 
 
 # --- contract (GPU only) -----------------------------------------------------------------------
@@ -112,6 +153,6 @@ def _ref(inp):
 
 
 CASES = [
-    Case("mma_bf16_product", _make, _run, _ref, simulator=False,
-         notes="control: the two k halves of the B fragment swapped"),
+    Case("mma_bf16_product", _make, _run, _ref,
+         notes="control: the two k halves of the B fragment swapped (simulator: the instruction's statement)"),
 ]
