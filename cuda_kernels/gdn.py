@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .core import EPS32, SIMULATED, Case, gamma, jit
+from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
 
 # (threads per state column, threads per block, tokens per tile, tokens per group) for the delta rule
 # (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2, 1.6 and 2.7 times
@@ -79,26 +79,13 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     cached = group * per                          # k values of a group kept for the state update
 
     @jit(device=True)
-    def column_sum(red, tid, first, value):
-        """The simulator's sum across the parts of a column (the GPU's is the shuffle loop)."""
-        red[tid] = value
-        cuda.syncthreads()
-        total = float32(0.0)
-        for p in range(parts):
-            total += red[first + p]
-        cuda.syncthreads()
-        return total
-
-    @jit(device=True)
-    def row_dot(xs, ys, rx, ry, lane):
-        """Sum over c < dk of xs[rx dk + c] ys[ry dk + c], by the 32 lanes of a warp."""
+    def row_dot(red, xs, ys, rx, ry, lane):
+        """Sum over c < dk of xs[rx dk + c] ys[ry dk + c], by the 32 lanes of a warp (GPU only)."""
         acc = float32(0.0)
         bx, by = uint64(rx * dk), uint64(ry * dk)
         for c in range(lane, dk, 32):
             acc += xs[bx + uint64(c)] * ys[by + uint64(c)]
-        for step in (16, 8, 4, 2, 1):
-            acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, step)
-        return acc
+        return team_sum(red, acc, 32)
 
     @jit(device=True)
     def fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv):
@@ -111,8 +98,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
         for j in range(fetch):
             idx = tid + uint64(j * threads)
             r, c = t1 + idx // uint64(dk), idx % uint64(dk)
-            kv = k[min(r, last), hk, c]
-            qv = q[min(r, last), hk, c]
+            rr = min(r, last)
+            kv = k[rr, hk, c]
+            qv = q[rr, hk, c]
             pk[j] = kv if r < n else float32(0.0)
             pq[j] = qv if r < n else float32(0.0)
         for j in range(vfetch):
@@ -133,7 +121,6 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
         n, n_hk = q.shape[0], q.shape[1]
         n_hv, dv = v.shape[1], v.shape[2]
         hk = hv // (n_hv // n_hk)
-        first = tid - part
         red = cuda.shared.array(threads, float32)
         if SIMULATED:                                       # (the simulator rejects alignment=)
             ks = cuda.shared.array(tile_k, float32)
@@ -202,9 +189,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                         qk += ks[src * dk + c] * qs[r * dk + c]
                 else:                           # (whole warps take a branch: pair is the warp's)
                     if l < j:
-                        kk = row_dot(ks, ks, src, r, tid % 32)
+                        kk = row_dot(red, ks, ks, src, r, tid % 32)
                     if l <= j:
-                        qk = row_dot(ks, qs, src, r, tid % 32)
+                        qk = row_dot(red, ks, qs, src, r, tid % 32)
                 decay = math.exp(cum[r] - cum[src]) if l <= j else float32(0.0)
                 ckk[pair] = bs[r] * decay * kk if l < j else float32(0.0)
                 cqk[pair] = decay * qk if (l < j if control else l <= j) else float32(0.0)
@@ -237,9 +224,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                     b[j] = b0 + b1
                 if SIMULATED:
                     for j in range(group):
-                        a[j] = column_sum(red, tid, first, a[j])
-                        b[j] = column_sum(red, tid, first, b[j])
-                else:
+                        a[j] = team_sum(red, a[j], parts)
+                        b[j] = team_sum(red, b[j], parts)
+                else:                           # team_sum's shuffles, the group's 2 group sums interleaved
                     step = 1
                     while step < parts:
                         for j in range(group):
@@ -325,9 +312,10 @@ def fit_geometry(dk, geometry):
     step = threads // math.gcd(dk, threads)             # tile x dk % threads == 0 <=> step divides tile
     step = step * group // math.gcd(step, group)        # and the group divides the tile
     tile = -(-tile // step) * step
-    if dk % (4 * parts) or threads % parts or tile * group > threads:
-        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {geometry}: dk must be a "
-                         "multiple of 4, and tile x group at most the threads")
+    if parts & (parts - 1) or dk % (4 * parts) or threads % 32 or tile * group > threads:
+        raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {geometry}: the parts must be "
+                         "a power of two (their sums are shuffles), dk a multiple of 4, the threads of 32, and "
+                         "tile x group at most the threads")
     return parts, threads, tile, group
 
 

@@ -111,22 +111,27 @@ def count_instructions(cubin, tool):
     return len(lines), sum(1 for line in lines if FP64.search(line))
 
 
-def measure():
-    """{kernel: {registers, shared_bytes, stack_bytes, spill_stores, spill_loads, local_bytes, instructions,
-    fp64_instructions}}."""
+def compile_cubin(py_func, sig, launch_bounds=None):
+    """(cubin bytes, ptxas log): a kernel's Python function compiled for sm_90 with argument types `sig`."""
     from cuda.core import Linker, LinkerOptions, ObjectCode
     from numba import cuda
     _no_gpu_shim()
+    ptx, _ = cuda.compile_ptx(py_func, sig, cc=ARCH, launch_bounds=launch_bounds)
+    linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_%d%d" % ARCH, verbose=True))
+    cubin = bytes(linker.link("cubin").code)
+    return cubin, linker.get_info_log()
+
+
+def measure():
+    """{kernel: {registers, shared_bytes, stack_bytes, spill_stores, spill_loads, local_bytes, instructions,
+    fp64_instructions}}."""
     tool = nvdisasm()
     if tool is None:
         raise RuntimeError("nvdisasm not found: pip install 'nvidia-cuda-nvdisasm==13.*'")
     out = {}
     for name, (kernel, sig) in _signatures().items():
-        bounds = kernel.targetoptions.get("launch_bounds")     # it changes the register allocation
-        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=ARCH, launch_bounds=bounds)
-        linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_%d%d" % ARCH, verbose=True))
-        cubin = bytes(linker.link("cubin").code)
-        log = linker.get_info_log()
+        # launch_bounds changes the register allocation
+        cubin, log = compile_cubin(kernel.py_func, sig, kernel.targetoptions.get("launch_bounds"))
         props = re.search(r"used (\d+) registers.*?(\d+) stack, (\d+) bytes smem.*?(\d+) bytes lmem", log)
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         if not props or not spills:

@@ -36,11 +36,9 @@ def test_no_kernel_computes_in_float64():
 
 FLOAT64_BY_ACCIDENT = """
 import math
-from numba import cuda, float32
+from numba import float32
 from numba.core import types as t
 from cuda_kernels import resources
-from cuda.core import Linker, LinkerOptions, ObjectCode
-resources._no_gpu_shim()
 
 def kernel(x, out):
     m = -math.inf if {python_float} else float32(-math.inf)   # a Python float makes m float64
@@ -48,9 +46,7 @@ def kernel(x, out):
         m = max(m, x[i])
     out[0] = math.exp(x[0] - m)
 
-sig = (t.Array(t.float32, 1, "C"), t.Array(t.float32, 1, "C"))
-ptx, _ = cuda.compile_ptx(kernel, sig, cc=resources.ARCH)
-cubin = bytes(Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch="sm_90")).link("cubin").code)
+cubin, _ = resources.compile_cubin(kernel, (t.Array(t.float32, 1, "C"), t.Array(t.float32, 1, "C")))
 print(resources.count_instructions(cubin, resources.nvdisasm())[1])
 """
 

@@ -100,7 +100,7 @@ class CudaOps:
         self.ids = None         # the last token-id buffer embedding() read
         self.chunk_from = CHUNK_FROM
         self.delta_tf32 = True
-        self.delta_geometry = None     # the recurrence's (parts, threads, tile); gdn.GEOMETRY when None
+        self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
         self._last_cast = None
 
     # --- memory -------------------------------------------------------------------------------
