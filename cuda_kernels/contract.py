@@ -2,6 +2,7 @@
 
     NUMBA_ENABLE_CUDASIM=1 python -m cuda_kernels.contract --size tiny    # CI, simulator kernels only
     python -m cuda_kernels.contract --size real                          # on the GPU, every kernel
+    python -m cuda_kernels.contract --only mma_tf32_product              # named cases alone
 """
 
 import argparse
@@ -21,11 +22,13 @@ def cases(simulator):
     return [c for m in MODULES for c in m.CASES if c.simulator or not simulator]
 
 
-def run(size="tiny", seed=0, write=print):
-    """Check each case; returns (kernels, passed, controls, caught)."""
+def run(size="tiny", seed=0, write=print, only=None):
+    """Check each case (those named in `only`, if given); returns (kernels, passed, controls, caught)."""
     rng = np.random.default_rng(seed)
     counts = [0, 0, 0, 0]
     for case in cases(SIMULATED):
+        if only and case.name not in only:
+            continue
         start = time.perf_counter()
         inputs = case.make(rng, size)
         expected, bound = case.reference(inputs)
@@ -50,8 +53,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("tiny", "real"), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", metavar="CASE", help="run these cases alone")
     args = parser.parse_args(argv)
-    k, p, c, n = run(args.size, args.seed)
+    k, p, c, n = run(args.size, args.seed, only=args.only)
     return 0 if (k == p and c == n) else 1
 
 

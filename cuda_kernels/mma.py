@@ -20,6 +20,7 @@ from numba import cuda, float32, types, uint32
 from numba.cuda.extending import intrinsic
 
 from .core import SIMULATED, Case, from_bf16_bits, gamma, jit, to_bf16_bits
+from .gemm import EPS_TF32
 
 THREADS = 128      # threads per block of the kernels here (whole warps)
 
@@ -76,6 +77,66 @@ def _mma_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 mma_bf16 = _mma_stated if SIMULATED else _mma_ptx
 
+# --- TF32: mma.sync m16n8k8, float32 registers whose low 13 mantissa bits the tensor cores ignore --------
+# Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32), lane = 4 row + quad:
+#   A (16 x 8): a0 = A[row, quad], a1 = A[row + 8, quad], a2 = A[row, quad + 4], a3 = A[row + 8, quad + 4];
+#   B (8 x 8): b0 = B[quad, row], b1 = B[quad + 4, row];  C, D as for m16n8k16.
+# Only the pairing of A's and B's k indices matters to the product: a kernel may give the lane's two k
+# slots any two k values (say 2 quad and 2 quad + 1, neighbours in memory) if A and B agree.
+_MMA_TF32 = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+TF32_MASK = 0xFFFFE000         # the bits of a float32 the TF32 instruction reads
+STATED_THREADS = 256           # the largest block that calls the simulator's statement of an instruction
+
+
+@intrinsic
+def _mma_tf32_ptx(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """(d0, d1, d2, d3) = A B + C from float32 fragments read as TF32 (every lane of the warp calls it)."""
+    sig = types.UniTuple(types.float32, 4)(*([types.float32] * 10))
+
+    def codegen(context, builder, signature, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+        asm = ir.InlineAsm(fnty, _MMA_TF32, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", side_effect=False)
+        bits = [builder.bitcast(x, i32) for x in args[:6]]
+        result = builder.call(asm, bits + list(args[6:]))
+        parts = [builder.extract_value(result, i) for i in range(4)]
+        return context.make_tuple(builder, signature.return_type, parts)
+    return sig, codegen
+
+
+@jit(device=True)
+def _mma_tf32_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """The simulator's mma_tf32, as _mma_stated: the lanes' registers exchanged through shared memory,
+    each input cut to TF32 (TF32_MASK), the eight products summed in float32, k in order."""
+    regs = cuda.shared.array((STATED_THREADS, 6), np.float32)
+    tid = cuda.threadIdx.x
+    for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
+        regs[tid, i] = r
+    cuda.syncthreads()
+    base = tid - tid % 32
+    row, quad = (tid % 32) // 4, tid % 4
+
+    def cut(x):
+        return (np.array([x], np.float32).view(np.uint32) & np.uint32(TF32_MASK)).view(np.float32)[0]
+
+    def a(i, k):                          # A[i, k]: lane 4 (i % 8) + k % 4, register by row and k half
+        return cut(regs[base + 4 * (i % 8) + k % 4, (i // 8) + 2 * (k // 4)])
+
+    def b(k, j):
+        return cut(regs[base + 4 * j + k % 4, 4 + k // 4])
+    out = []
+    for i, j, c in ((row, 2 * quad, c0), (row, 2 * quad + 1, c1), (row + 8, 2 * quad, c2), (row + 8, 2 * quad + 1, c3)):
+        acc = np.float32(c)
+        for k in range(8):
+            acc = np.float32(acc + a(i, k) * b(k, j))
+        out.append(acc)
+    cuda.syncthreads()
+    return out[0], out[1], out[2], out[3]
+
+
+mma_tf32 = _mma_tf32_stated if SIMULATED else _mma_tf32_ptx
+
 
 @jit(device=True, forceinline=True)
 def pair(bits, row, col):
@@ -121,21 +182,68 @@ def _make_product(control):
 _product = {c: _make_product(c) for c in (False, True)}
 
 
+def _make_product_tf32(control):
+    @jit
+    def mma_product_tf32(x, w, out):
+        """out [M, N] = x [M, K] w [N, K]^T, float32 in, TF32 products; as mma_product, K % 8 == 0.
+        control: w's two k halves swapped (b0 <-> b1)."""
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        tiles_n = out.shape[1] // 8
+        tiles = (out.shape[0] // 16) * tiles_n
+        live = warp < tiles
+        tile = min(warp, tiles - 1)
+        m0, n0 = 16 * (tile // tiles_n), 8 * (tile % tiles_n)
+        row, quad = lane // 4, lane % 4
+        c0 = float32(0.0)
+        c1 = float32(0.0)
+        c2 = float32(0.0)
+        c3 = float32(0.0)
+        for k0 in range(0, x.shape[1], 8):
+            b0, b1 = w[n0 + row, k0 + quad], w[n0 + row, k0 + quad + 4]
+            if control:
+                b0, b1 = b1, b0
+            c0, c1, c2, c3 = mma_tf32(x[m0 + row, k0 + quad], x[m0 + row + 8, k0 + quad], x[m0 + row, k0 + quad + 4],
+                                      x[m0 + row + 8, k0 + quad + 4], b0, b1, c0, c1, c2, c3)
+        if live:
+            out[m0 + row, n0 + 2 * quad] = c0
+            out[m0 + row, n0 + 2 * quad + 1] = c1
+            out[m0 + row + 8, n0 + 2 * quad] = c2
+            out[m0 + row + 8, n0 + 2 * quad + 1] = c3
+    return mma_product_tf32
+
+
+_product_tf32 = {c: _make_product_tf32(c) for c in (False, True)}
+
+
 def mma_product(x, w, out, stream=0, control=False):
-    """out = x w^T (float32) on tensor cores, x [M, K] and w [N, K] bf16 bits; M, N, K multiples of 16, 8, 16."""
+    """out = x w^T (float32) on tensor cores, x [M, K] and w [N, K] bf16 bits (M, N, K multiples of 16, 8,
+    16) or float32 read as TF32 (K a multiple of 8)."""
     m, k = x.shape
     n = w.shape[0]
-    if m % 16 or n % 8 or k % 16 or w.shape[1] != k or out.shape != (m, n):
+    if m % 16 or n % 8 or k % (8 if x.dtype == np.float32 else 16) or w.shape[1] != k or out.shape != (m, n):
         raise ValueError(f"mma_product: shapes {x.shape} x {w.shape} -> {out.shape}: M, N, K must be multiples of "
                          "16, 8, 16")
     warps = (m // 16) * (n // 8)
-    _product[control][((warps + THREADS // 32 - 1) // (THREADS // 32),), THREADS, stream](x, w, out)
+    kernel = _product_tf32 if x.dtype == np.float32 else _product
+    kernel[control][((warps + THREADS // 32 - 1) // (THREADS // 32),), THREADS, stream](x, w, out)
 
 
 # --- contract (GPU only) -----------------------------------------------------------------------
 def _make(rng, size):
     m, k, n = (32, 64, 24) if size == "tiny" else (1024, 4096, 512)
     return {"x": to_bf16_bits(rng.standard_normal((m, k))), "w": to_bf16_bits(rng.standard_normal((n, k)))}
+
+
+def _make_tf32(rng, size):
+    m, k, n = (32, 24, 16) if size == "tiny" else (1024, 4096, 512)
+    return {"x": rng.standard_normal((m, k)).astype(np.float32), "w": rng.standard_normal((n, k)).astype(np.float32)}
+
+
+def _ref_tf32(inp):
+    x, w = (np.asarray(inp[n], np.float64) for n in ("x", "w"))
+    # each input cut to TF32 (relative 2^-10 each), K float32 sums (x2 as for bf16)
+    return x @ w.T, (2 * EPS_TF32 + 2 * gamma(x.shape[1])) * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
 def _run(inp, control):
@@ -154,5 +262,7 @@ def _ref(inp):
 
 CASES = [
     Case("mma_bf16_product", _make, _run, _ref,
+         notes="control: the two k halves of the B fragment swapped (simulator: the instruction's statement)"),
+    Case("mma_tf32_product", _make_tf32, _run, _ref_tf32,
          notes="control: the two k halves of the B fragment swapped (simulator: the instruction's statement)"),
 ]

@@ -1,5 +1,5 @@
 """The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn, its default
-and other launch geometries) against the chunked form (gdn_chunk, TF32 and float32 products), each
+and other launch geometries) against the chunked form (gdn_chunk, TF32 products, serial-pass geometries), each
 captured as a CUDA graph and replayed.
 
     python scripts/gpu_bench_delta.py --out delta.json
@@ -18,10 +18,11 @@ from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
-FORMS = {"recurrent": ("recurrent", True), "chunked_tf32": ("chunk", True), "chunked_f32": ("chunk", False)}
+FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
+# the chunked form's serial pass: (state columns, threads) per block
+WALKS = [(16, 128), (16, 256), (32, 128), (32, 256), (8, 128)]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
-GEOMETRIES = [(8, 256, 16, 1), (8, 256, 16, 2), (8, 256, 32, 2), (8, 256, 32, 4), (8, 256, 32, 8),
-              (16, 256, 16, 4), (8, 128, 16, 4)]
+GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
 
 
 def inputs(n, seed=0):
@@ -33,9 +34,9 @@ def inputs(n, seed=0):
     return inp
 
 
-def replay_ms(ops, args, form, tf32, geometry=None, reps=20):
+def replay_ms(ops, args, form, geometry=None, walk=None, reps=20):
     """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
-    ops.delta_tf32, ops.delta_geometry = tf32, geometry
+    ops.delta_geometry, ops.delta_walk = geometry, walk
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
     graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
@@ -46,6 +47,31 @@ def replay_ms(ops, args, form, tf32, geometry=None, reps=20):
         stream.sync()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times[3:]), out.copy_to_host()
+
+
+def stage_ms(ops, args, reps=20):
+    """Each stage of the chunked form alone (gdn_chunk.STAGES), captured and replayed on buffers a full
+    run filled: median ms per stage."""
+    from cuda_kernels import gdn_chunk
+    q, k, v, g, beta = args
+    n, n_hk, dk = q.shape
+    shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
+    work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
+    out = cuda.device_array(v.shape, np.float32)
+    gdn_chunk.gated_delta_rule_chunked(*args, out, work)
+    cuda.synchronize()
+    times = {}
+    for stage in gdn_chunk.STAGES:
+        graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(*args, out, work, stream=ops.stream,
+                                                                                   stages=(stage,)))
+        runs = []
+        for _ in range(reps + 3):
+            t = time.perf_counter()
+            graph.launch(stream)
+            stream.sync()
+            runs.append(time.perf_counter() - t)
+        times[f"chunked_stage_{stage}_ms"] = 1e3 * statistics.median(runs[3:])
+    return times
 
 
 def main():
@@ -59,17 +85,27 @@ def main():
         inp = inputs(n)
         dev = [cuda.to_device(inp[k]) for k in ("q", "k", "v", "g", "beta")]
         row, outs = {}, {}
-        for label, (form, tf32) in FORMS.items():
+        for label, form in FORMS.items():
             try:
-                row[label + "_ms"], outs[label] = replay_ms(ops, dev, form, tf32)
+                row[label + "_ms"], outs[label] = replay_ms(ops, dev, form)
             except Exception as exc:          # one failing form must not hide the others
                 row[label + "_ms"] = f"failed: {exc!r}"
         for geometry in GEOMETRIES:
             label = "recurrent_p{}_t{}_tile{}_group{}".format(*geometry)
             try:
-                row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", True, geometry)
+                row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", geometry)
             except Exception as exc:
                 row[label + "_ms"] = f"failed: {exc!r}"
+        for walk in WALKS:
+            label = "chunked_walk{}x{}".format(*walk)
+            try:
+                row[label + "_ms"], outs[label] = replay_ms(ops, dev, "chunk", walk=walk)
+            except Exception as exc:
+                row[label + "_ms"] = f"failed: {exc!r}"
+        try:
+            row.update(stage_ms(ops, dev))
+        except Exception as exc:
+            row["chunked_stages"] = f"failed: {exc!r}"
         ref = outs.get("recurrent")
         for label, o in outs.items():
             if ref is not None and label != "recurrent":

@@ -29,8 +29,8 @@ CONFIG = {"text_config": {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
-# other launch geometries of the delta rule's recurrence timed in the whole graph (parts, threads, tile, group)
-DELTA_GEOMETRIES = [(8, 256, 16, 1), (8, 256, 16, 2), (8, 256, 32, 4), (8, 256, 32, 8)]
+# other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
+WALKS = [(16, 128), (16, 256), (32, 128), (32, 256)]
 
 
 def small_param(name, shape, rng):
@@ -160,6 +160,8 @@ def rel(a, b):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="encoder_9b.json")
+    parser.add_argument("--chunk-from", type=int, default=None,
+                        help="prompt length from which the delta rule runs chunked (default: cuda_table's)")
     args = parser.parse_args()
     result = {}
     config = text_config(CONFIG)
@@ -177,6 +179,9 @@ def main():
     result["upload_s"] = time.perf_counter() - t
     ours = {}
     ops = enc.ops
+    if args.chunk_from is not None:
+        ops.chunk_from = args.chunk_from
+    result["chunk_from"] = ops.chunk_from
     for n, ids in prompts.items():
         layers = []
         eager = enc(ids, on_layer=lambda i, x: layers.append(ops.host(x)))     # eager, one launch per op
@@ -207,12 +212,13 @@ def main():
         for n, ids in prompts.items():
             speed[n][f"ours_{label}_delta_ms"] = replay_ms(enc, ids)
     enc.model.form, ops.chunk_from, enc._captured = "chunk", default_from, {}
-    # and with other launch geometries of the token recurrence (gdn.GEOMETRY is the default)
-    for geometry in DELTA_GEOMETRIES:
-        ops.delta_geometry, enc._captured = geometry, {}
+    # and with other geometries of the chunked form's serial pass (gdn_chunk.WALK is the default)
+    ops.chunk_from = 0
+    for walk in WALKS:
+        ops.delta_walk, enc._captured = walk, {}
         for n, ids in prompts.items():
-            speed[n]["ours_delta_p{}_t{}_tile{}_group{}_ms".format(*geometry)] = replay_ms(enc, ids)
-    ops.delta_geometry, enc._captured = None, {}
+            speed[n]["ours_chunked_walk{}x{}_ms".format(*walk)] = replay_ms(enc, ids)
+    ops.delta_walk, ops.chunk_from, enc._captured = None, default_from, {}
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
     untuned, gemm._blas = gemm.blas(), gemm.Blas(tune=True)

@@ -26,7 +26,7 @@ for step in "$@"; do
     tests) $limit python3 -m pytest -q -p no:cacheprovider tests/gpu -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
-    encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" 2>&1 | tee "$OUT/encoder.txt" ;;
+    encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   rc=$?

@@ -83,10 +83,7 @@ k /= np.linalg.norm(k, axis=-1, keepdims=True)
 v, g, beta = r(6, 4, 4), -np.abs(r(6, 4)), 1 / (1 + np.exp(-r(6, 4)))
 check("gated_delta_rule recurrent", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta), form="recurrent"),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
-gpu.chunk_from, gpu.delta_tf32 = 0, False
-check("gated_delta_rule chunked", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
-      ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 1e-5)
-gpu.delta_tf32 = True      # products from TF32-rounded inputs (2^-10)
+gpu.chunk_from = 0        # the chunked form: products from TF32 inputs (2^-10)
 check("gated_delta_rule chunked tf32", gpu.gated_delta_rule(d(q), d(k), d(v), d(g), d(beta)),
       ref.gated_delta_rule(q, k, v, g, beta, form="recurrent"), 2 ** -8)
 gpu.chunk_from = cuda_table.CHUNK_FROM

@@ -2,7 +2,8 @@
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
-with 64-token chunks, 16-row solve blocks and 256-thread solves (70 tokens: a part chunk). In the
+with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 32-column, 256-thread blocks
+(70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
@@ -43,9 +44,9 @@ print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 
 CHUNKED = INPUTS.format(n=70, dk=16) + """
 from cuda_kernels import gdn_chunk as gc
-gc.CHUNK, gc.SUB, gc.THREADS = 64, 16, 256
+gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK = 64, 16, 256, (32, 256)
 gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
-gc._prep.clear(); gc._solve.clear()
+gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
 expected, bound = gc._ref_chunked(inp)
 print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), expected, bound)[0])
 """

@@ -99,7 +99,7 @@ class CudaOps:
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() read
         self.chunk_from = CHUNK_FROM
-        self.delta_tf32 = True
+        self.delta_walk = None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
         self._last_cast = None
 
@@ -424,8 +424,9 @@ class CudaOps:
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
-        """Form "chunk": the chunked form on tensor cores (gdn_chunk; TF32 products unless `delta_tf32` is
-        False) from `chunk_from` tokens on, the token recurrence (gdn) below; "recurrent": the recurrence.
+        """Form "chunk": the chunked form on TF32 tensor cores (gdn_chunk; the serial pass's geometry
+        `delta_walk`, None for its default) from `chunk_from` tokens on, the token recurrence (gdn) below;
+        "recurrent": the recurrence.
         Both are the same function (their contract cases hold them to the same float64 recurrence)."""
         if form not in ("chunk", "recurrent"):
             raise ValueError(f"unknown delta rule form {form!r}")
@@ -436,7 +437,7 @@ class CudaOps:
             return out
         shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
         work = {name: self.new(shape) for name, shape in shapes.items()}
-        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, tf32=self.delta_tf32)
+        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, walk=self.delta_walk)
         return out
 
 
