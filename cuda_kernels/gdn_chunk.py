@@ -27,9 +27,10 @@ PARTS = 4                                # threads per column of T in the triang
 THREADS = 32 if SIMULATED else 256       # prep and scatter
 REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
 SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
-# The walk: (state columns per block, a multiple of 8; threads per block, whole warps). Its shared state
+BATCH = 8                                # tokens whose loads the prep issues together
+# The walk: (state columns per block, a multiple of 16; threads per block, whole warps). Its shared state
 # holds up to DK_MAX key rows; rows of cols + 4 floats put a fragment's 32 loads in 32 banks.
-WALK = (8, 64) if SIMULATED else (32, 256)
+WALK = (16, 64) if SIMULATED else (16, 128)
 DK_MAX = 16 if SIMULATED else 128
 
 
@@ -62,19 +63,31 @@ def _make_prep(r):
             ek[i] = math.exp(last - gs[i])
             gam[hv, c, i] = gs[i]
         cuda.syncthreads()
+        # BATCH tokens' loads first, then their stores (a store may alias the next load, so the compiler
+        # would otherwise wait out one load latency per token)
+        kb = cuda.local.array(BATCH, float32)
+        qb = cuda.local.array(BATCH, float32)
+        last_t = q.shape[0] - 1
         for d in range(tid, dk, nt):
-            for i in range(CHUNK):
-                kv = k[t0 + i, hk, d] if i < m else float32(0.0)
-                qv = q[t0 + i, hk, d] if i < m else float32(0.0)
-                rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
-                kt[hv, c, i, d] = ek[i] * kv
-                qg[hv, c, i, d] = eg[i] * qv
-                if hv % r == 0:
-                    qk[hk, c, i, d] = qv
-                    qk[hk, c, CHUNK + i, d] = kv
+            for i0 in range(0, CHUNK, BATCH):
+                for j in range(BATCH):
+                    t = min(t0 + i0 + j, last_t)
+                    kb[j] = k[t, hk, d] if i0 + j < m else float32(0.0)
+                    qb[j] = q[t, hk, d] if i0 + j < m else float32(0.0)
+                for j in range(min(BATCH, CHUNK - i0)):
+                    i, kv, qv = i0 + j, kb[j], qb[j]
+                    rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
+                    kt[hv, c, i, d] = ek[i] * kv
+                    qg[hv, c, i, d] = eg[i] * qv
+                    if hv % r == 0:
+                        qk[hk, c, i, d] = qv
+                        qk[hk, c, CHUNK + i, d] = kv
         for d in range(tid, dv, nt):
-            for i in range(CHUNK):
-                rhs[hv, c, i, d] = bs[i] * v[t0 + i, hv, d] if i < m else float32(0.0)
+            for i0 in range(0, CHUNK, BATCH):
+                for j in range(BATCH):
+                    kb[j] = v[min(t0 + i0 + j, last_t), hv, d] if i0 + j < m else float32(0.0)
+                for j in range(min(BATCH, CHUNK - i0)):
+                    rhs[hv, c, i0 + j, d] = bs[i0 + j] * kb[j]
     return prep
 
 
@@ -152,19 +165,73 @@ def _make_solve(control, r):
     return solve
 
 
-def _make_walk(control, cols, threads):
-    """The serial pass over chunks for one (value head, block of `cols` state columns) per block. Each
-    chunk: (1) [W; e^G Q] S on tensor cores, D = U - W S and e^G Q S into shared memory; (2) O = e^G Q S
-    + P D to the output and S <- e^(G_n) S + K~^T D, the two sharing one loop of tiles. A warp takes one
-    16 x 8 tile at a time; warps past the last tile compute it and write nothing, so every warp issues
+@jit(device=True, forceinline=True)
+def _pair(a0, a1, a2, a3, b, k, k1, n0, row, c):
+    """Two 16 x 8 tiles side by side (columns n0 and n0 + 8 of the shared B, rows k and k1) on one A
+    fragment."""
+    d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b[k, n0 + row], b[k1, n0 + row], c[0], c[1], c[2], c[3])
+    d4, d5, d6, d7 = mma_tf32(a0, a1, a2, a3, b[k, n0 + 8 + row], b[k1, n0 + 8 + row], c[4], c[5], c[6], c[7])
+    return d0, d1, d2, d3, d4, d5, d6, d7
+
+
+@jit(device=True, forceinline=True)
+def _fetch(src, hv, c, ra, lim, off, k, kmax, transposed):
+    """The A fragment of one k step (mma.py's TF32 layout, k slots 2 quad and 2 quad + 1) at the lane's rows
+    ra and ra + 8: A[r, k] = src[hv, c, r, off + k], or src[hv, c, k, r] when `transposed`; zero at rows
+    >= lim and k >= kmax (the reads clamped inside the arrays)."""
+    ca, cb = min(ra, lim - 1), min(ra + 8, lim - 1)
+    kc, kd = min(k, kmax - 1), min(k + 1, kmax - 1)
+    if transposed:
+        a0, a1, a2, a3 = src[hv, c, kc, ca], src[hv, c, kc, cb], src[hv, c, kd, ca], src[hv, c, kd, cb]
+    else:
+        a0, a1 = src[hv, c, ca, off + kc], src[hv, c, cb, off + kc]
+        a2, a3 = src[hv, c, ca, off + kd], src[hv, c, cb, off + kd]
+    f0 = float32(0.0)
+    return (a0 if ra < lim and k < kmax else f0, a1 if ra + 8 < lim and k < kmax else f0,
+            a2 if ra < lim and k + 1 < kmax else f0, a3 if ra + 8 < lim and k + 1 < kmax else f0)
+
+
+@jit(device=True, forceinline=True)
+def _times(src, hv, c, ra, lim, off, b, kmax, n0, quad, row, steps, acc, transposed):
+    """acc + A B for the 16 x 16 item at the lane's rows ra, ra + 8 and shared columns n0: A as _fetch
+    reads it, B = b[k, n0:n0 + 16]. Eight k steps at a time: their 32 global loads go out together,
+    then their 16 mma; step by step when `steps` is no multiple of 8 (the small shapes of the simulator)."""
+    if steps % 8:
+        for g in range(steps):
+            kk = 8 * g + 2 * quad
+            x = _fetch(src, hv, c, ra, lim, off, kk, kmax, transposed)
+            acc = _pair(x[0], x[1], x[2], x[3], b, min(kk, kmax - 1), min(kk + 1, kmax - 1), n0, row, acc)
+        return acc
+    for g in range(0, steps, 8):
+        k = 8 * g + 2 * quad
+        x0 = _fetch(src, hv, c, ra, lim, off, k, kmax, transposed)
+        x1 = _fetch(src, hv, c, ra, lim, off, k + 8, kmax, transposed)
+        x2 = _fetch(src, hv, c, ra, lim, off, k + 16, kmax, transposed)
+        x3 = _fetch(src, hv, c, ra, lim, off, k + 24, kmax, transposed)
+        x4 = _fetch(src, hv, c, ra, lim, off, k + 32, kmax, transposed)
+        x5 = _fetch(src, hv, c, ra, lim, off, k + 40, kmax, transposed)
+        x6 = _fetch(src, hv, c, ra, lim, off, k + 48, kmax, transposed)
+        x7 = _fetch(src, hv, c, ra, lim, off, k + 56, kmax, transposed)
+        for j, x in enumerate((x0, x1, x2, x3, x4, x5, x6, x7)):
+            kk = k + 8 * j
+            acc = _pair(x[0], x[1], x[2], x[3], b, min(kk, kmax - 1), min(kk + 1, kmax - 1), n0, row, acc)
+    return acc
+
+
+def _make_walk(control, cols, threads, dk):
+    """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
+    dk. Each chunk: (1) W S and e^G Q S on tensor cores, D = U - W S and e^G Q S into shared memory;
+    (2) O = e^G Q S + P D to the output, and S <- e^(G_n) S + K~^T D. A warp takes one 16 x 16 item (two
+    mma tiles on one A fragment) at a time, four k steps' global loads in flight at once (_times); warps past the last item compute it and write nothing, so every warp issues
     the same mma count (the simulator's statement of the instruction synchronises the block). The k
     index of each 8-wide step is laid out as 2 quad, 2 quad + 1 in both operands (mma.py): a lane's A
     loads are neighbours in memory. control: the output without the entry state's read e^G Q S."""
     srow = cols + 4
     warps = threads // 32
     ct = (CHUNK + 15) // 16              # row tiles of a chunk
-    nt = cols // 8                       # column tiles of the block
-    chunk8 = (CHUNK + 7) // 8 * 8        # the k extent of the chunk products
+    dt = (dk + 15) // 16                 # row tiles of the state
+    npair = cols // 16                   # 16-column items of the block
+    ksteps, csteps = dk // 8, (CHUNK + 7) // 8
 
     @jit
     def walk(uw, qg, kt, p, gam, out):
@@ -172,98 +239,68 @@ def _make_walk(control, cols, threads):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         row, quad = lane // 4, lane % 4
-        n, dv, dk = out.shape[0], out.shape[2], kt.shape[3]
+        n, dv = out.shape[0], out.shape[2]
         chunks = (n + CHUNK - 1) // CHUNK
-        dt = (dk + 15) // 16
-        tiles1, tiles2 = 2 * ct * nt, (ct + dt) * nt
         s = cuda.shared.array((DK_MAX, srow), float32)
         d = cuda.shared.array((CHUNK, srow), float32)
         o = cuda.shared.array((CHUNK, srow), float32)
         for idx in range(tid, DK_MAX * srow, threads):
             s[idx // srow, idx % srow] = float32(0.0)
         cuda.syncthreads()
+        f0 = float32(0.0)
+        zero = (f0, f0, f0, f0, f0, f0, f0, f0)
         for c in range(chunks):
-            # (1) [W; e^G Q] S
-            for it in range((tiles1 + warps - 1) // warps):
-                tile = min(warp + it * warps, tiles1 - 1)
-                live = warp + it * warps < tiles1
-                half, r0, n0 = tile // (ct * nt), 16 * ((tile % (ct * nt)) // nt), 8 * (tile % nt)
-                ra, rb = r0 + row, r0 + row + 8
-                ca, cb = min(ra, CHUNK - 1), min(rb, CHUNK - 1)
-                c0 = float32(0.0)
-                c1 = float32(0.0)
-                c2 = float32(0.0)
-                c3 = float32(0.0)
-                for k0 in range(0, dk, 8):
-                    k = k0 + 2 * quad
-                    if half == 0:
-                        a0, a2 = uw[hv, c, ca, dv + k], uw[hv, c, ca, dv + k + 1]
-                        a1, a3 = uw[hv, c, cb, dv + k], uw[hv, c, cb, dv + k + 1]
-                    else:
-                        a0, a2 = qg[hv, c, ca, k], qg[hv, c, ca, k + 1]
-                        a1, a3 = qg[hv, c, cb, k], qg[hv, c, cb, k + 1]
-                    if ra >= CHUNK:
-                        a0 = a2 = float32(0.0)
-                    if rb >= CHUNK:
-                        a1 = a3 = float32(0.0)
-                    c0, c1, c2, c3 = mma_tf32(a0, a1, a2, a3, s[k, n0 + row], s[k + 1, n0 + row], c0, c1, c2, c3)
+            # (1) D = U - W S (items below ct * npair), e^G Q S (the rest)
+            for it in range((2 * ct * npair + warps - 1) // warps):
+                item = min(warp + it * warps, 2 * ct * npair - 1)
+                live = warp + it * warps < 2 * ct * npair
+                on_q = item >= ct * npair
+                part = item - ct * npair if on_q else item
+                r0, n0 = 16 * (part // npair), 16 * (part % npair)
+                ra = r0 + row
+                if on_q:
+                    acc = _times(qg, hv, c, ra, CHUNK, 0, s, dk, n0, quad, row, ksteps, zero, False)
+                else:
+                    acc = _times(uw, hv, c, ra, CHUNK, dv, s, dk, n0, quad, row, ksteps, zero, False)
                 if live:
-                    for i, j, x in ((ra, n0 + 2 * quad, c0), (ra, n0 + 2 * quad + 1, c1),
-                                    (rb, n0 + 2 * quad, c2), (rb, n0 + 2 * quad + 1, c3)):
+                    for e in range(8):
+                        i, j = ra + 8 * ((e // 2) % 2), n0 + 8 * (e // 4) + 2 * quad + e % 2
                         if i < CHUNK:
-                            if half == 1:
-                                o[i, j] = float32(0.0) if control else x
+                            if on_q:
+                                o[i, j] = float32(0.0) if control else acc[e]
                             elif col0 + j < dv:
-                                d[i, j] = uw[hv, c, i, col0 + j] - x
+                                d[i, j] = uw[hv, c, i, col0 + j] - acc[e]
                             else:
                                 d[i, j] = float32(0.0)
             cuda.syncthreads()
-            # (2) O = e^G Q S + P D (tiles below ct * nt), S <- e^(G_n) S + K~^T D (the rest)
+            # (2) O = e^G Q S + P D to the output (items below ct * npair), S <- e^(G_n) S + K~^T D (the rest)
             decay = math.exp(gam[hv, c, CHUNK - 1])
-            for it in range((tiles2 + warps - 1) // warps):
-                tile = min(warp + it * warps, tiles2 - 1)
-                live = warp + it * warps < tiles2
-                out_tile = tile < ct * nt
-                n0 = 8 * (tile % nt)
-                r0 = 16 * (tile // nt) if out_tile else 16 * (tile // nt - ct)
-                ra, rb = r0 + row, r0 + row + 8
-                lim = CHUNK if out_tile else dk
-                ca, cb = min(ra, lim - 1), min(rb, lim - 1)
+            for it in range(((ct + dt) * npair + warps - 1) // warps):
+                item = min(warp + it * warps, (ct + dt) * npair - 1)
+                live = warp + it * warps < (ct + dt) * npair
+                on_s = item >= ct * npair
+                part = item - ct * npair if on_s else item
+                r0, n0 = 16 * (part // npair), 16 * (part % npair)
+                ra = r0 + row
+                lim = dk if on_s else CHUNK
+                ca, cb = min(ra, lim - 1), min(ra + 8, lim - 1)
                 j0 = n0 + 2 * quad
-                if out_tile:
-                    c0 = o[ca, j0]
-                    c1 = o[ca, j0 + 1]
-                    c2 = o[cb, j0]
-                    c3 = o[cb, j0 + 1]
+                if on_s:
+                    acc = (decay * s[ca, j0], decay * s[ca, j0 + 1], decay * s[cb, j0], decay * s[cb, j0 + 1],
+                           decay * s[ca, j0 + 8], decay * s[ca, j0 + 9], decay * s[cb, j0 + 8], decay * s[cb, j0 + 9])
+                    acc = _times(kt, hv, c, ra, dk, 0, d, CHUNK, n0, quad, row, csteps, acc, True)
                 else:
-                    c0 = decay * s[ca, j0]
-                    c1 = decay * s[ca, j0 + 1]
-                    c2 = decay * s[cb, j0]
-                    c3 = decay * s[cb, j0 + 1]
-                for k0 in range(0, chunk8, 8):
-                    k = k0 + 2 * quad
-                    kc, kd = min(k, CHUNK - 1), min(k + 1, CHUNK - 1)
-                    if out_tile:
-                        a0, a2, a1, a3 = p[hv, c, ca, kc], p[hv, c, ca, kd], p[hv, c, cb, kc], p[hv, c, cb, kd]
-                    else:
-                        a0, a2, a1, a3 = kt[hv, c, kc, ca], kt[hv, c, kd, ca], kt[hv, c, kc, cb], kt[hv, c, kd, cb]
-                    b0, b1 = d[kc, n0 + row], d[kd, n0 + row]
-                    if ra >= lim:
-                        a0 = a2 = float32(0.0)
-                    if rb >= lim:
-                        a1 = a3 = float32(0.0)
-                    if k >= CHUNK:
-                        a0 = a1 = b0 = float32(0.0)
-                    if k + 1 >= CHUNK:
-                        a2 = a3 = b1 = float32(0.0)
-                    c0, c1, c2, c3 = mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                    acc = (o[ca, j0], o[ca, j0 + 1], o[cb, j0], o[cb, j0 + 1],
+                           o[ca, j0 + 8], o[ca, j0 + 9], o[cb, j0 + 8], o[cb, j0 + 9])
+                    acc = _times(p, hv, c, ra, CHUNK, 0, d, CHUNK, n0, quad, row, csteps, acc, False)
                 if live:
-                    for i, j, x in ((ra, j0, c0), (ra, j0 + 1, c1), (rb, j0, c2), (rb, j0 + 1, c3)):
+                    for e in range(8):
+                        i, j = ra + 8 * ((e // 2) % 2), n0 + 8 * (e // 4) + 2 * quad + e % 2
                         if i < lim:
-                            if not out_tile:
-                                s[i, j] = x
+                            if on_s:
+                                s[i, j] = acc[e]
                             elif c * CHUNK + i < n and col0 + j < dv:
-                                out[c * CHUNK + i, hv, col0 + j] = x
+                                out[c * CHUNK + i, hv, col0 + j] = acc[e]
             cuda.syncthreads()
     return walk
 
@@ -335,15 +372,15 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     cols, threads = walk or WALK
-    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32:
+    if dk % 8 or dk > DK_MAX or cols % 16 or threads % 32:
         raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, walk {walk} "
-                         "needs columns in eights and whole warps")
+                         "needs columns in sixteens and whole warps")
     r = n_hv // n_hk
     slots = -(-n // CHUNK) + 1
     w = work
     if r not in _prep:
         _prep[r] = _make_prep(r)
-    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads)
+    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk)
     if solve_key not in _solve:
         _solve[solve_key] = _make_solve(*solve_key)
     if walk_key not in _walk:

@@ -61,7 +61,8 @@ def stage_ms(ops, args, reps=20):
     gdn_chunk.gated_delta_rule_chunked(*args, out, work)
     cuda.synchronize()
     times = {}
-    for stage in gdn_chunk.STAGES:
+
+    def timed(stage):
         graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(*args, out, work, stream=ops.stream,
                                                                                    stages=(stage,)))
         runs = []
@@ -70,7 +71,17 @@ def stage_ms(ops, args, reps=20):
             graph.launch(stream)
             stream.sync()
             runs.append(time.perf_counter() - t)
-        times[f"chunked_stage_{stage}_ms"] = 1e3 * statistics.median(runs[3:])
+        return 1e3 * statistics.median(runs[3:])
+    for stage in gdn_chunk.STAGES:
+        times[f"chunked_stage_{stage}_ms"] = timed(stage)
+    # the solve with other serial block heights (gdn_chunk.SUB rows)
+    default_sub = gdn_chunk.SUB
+    for sub in (8, 32):
+        gdn_chunk.SUB = sub
+        gdn_chunk._solve.clear()
+        times[f"chunked_stage_solve_sub{sub}_ms"] = timed("solve")
+    gdn_chunk.SUB = default_sub
+    gdn_chunk._solve.clear()
     return times
 
 

@@ -2,7 +2,7 @@
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
-with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 32-column, 256-thread blocks
+with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 16-column, 128-thread blocks
 (70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
@@ -44,7 +44,7 @@ print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 
 CHUNKED = INPUTS.format(n=70, dk=16) + """
 from cuda_kernels import gdn_chunk as gc
-gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK = 64, 16, 256, (32, 256)
+gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK = 64, 16, 256, (16, 128)
 gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
 expected, bound = gc._ref_chunked(inp)
