@@ -14,7 +14,7 @@ Buffers hold N + 1 chunk slots per head, so that every batched product walks its
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint64
 
 from .core import SIMULATED, Case, gamma, jit
 from .gdn import _make_delta_inputs, delta_reference_terms
@@ -27,7 +27,7 @@ PARTS = 4                                # threads per column of T in the triang
 THREADS = 32 if SIMULATED else 256       # prep and scatter
 REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
 SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
-BATCH = 8                                # tokens whose loads the prep issues together
+SPAN = 8                                 # tokens of a chunk per prep block
 # The walk: (state columns per block, a multiple of 16; threads per block, whole warps). Its shared state
 # holds up to DK_MAX key rows; rows of cols + 4 floats put a fragment's 32 loads in 32 banks.
 WALK = (16, 64) if SIMULATED else (16, 128)
@@ -36,8 +36,8 @@ DK_MAX = 16 if SIMULATED else 128
 
 # --- kernels -------------------------------------------------------------------------------------
 def _make_prep(r):
-    """Chunk-major operands per (value head, chunk), one thread per key dim; heads whose index is a
-    multiple of r (the value heads per key head) also write their key head's [Q; K] rows."""
+    """Chunk-major operands per (value head, chunk, SPAN tokens), one thread per key dim; heads whose index
+    is a multiple of r (the value heads per key head) also write their key head's [Q; K] rows."""
     @jit
     def prep(q, k, v, g, beta, qk, rhs, kt, qg, gam):
         hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
@@ -61,33 +61,26 @@ def _make_prep(r):
         for i in range(tid, CHUNK, nt):
             eg[i] = math.exp(gs[i])
             ek[i] = math.exp(last - gs[i])
-            gam[hv, c, i] = gs[i]
+            if cuda.blockIdx.z == 0:
+                gam[hv, c, i] = gs[i]
         cuda.syncthreads()
-        # BATCH tokens' loads first, then their stores (a store may alias the next load, so the compiler
-        # would otherwise wait out one load latency per token)
-        kb = cuda.local.array(BATCH, float32)
-        qb = cuda.local.array(BATCH, float32)
-        last_t = q.shape[0] - 1
+        # this block's SPAN tokens of the chunk (a thread walks them serially: a store may alias the next
+        # load, so each token waits out one load latency; more blocks, fewer tokens each)
+        i_lo = cuda.blockIdx.z * SPAN
+        i_hi = min(i_lo + SPAN, CHUNK)
         for d in range(tid, dk, nt):
-            for i0 in range(0, CHUNK, BATCH):
-                for j in range(BATCH):
-                    t = min(t0 + i0 + j, last_t)
-                    kb[j] = k[t, hk, d] if i0 + j < m else float32(0.0)
-                    qb[j] = q[t, hk, d] if i0 + j < m else float32(0.0)
-                for j in range(min(BATCH, CHUNK - i0)):
-                    i, kv, qv = i0 + j, kb[j], qb[j]
-                    rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
-                    kt[hv, c, i, d] = ek[i] * kv
-                    qg[hv, c, i, d] = eg[i] * qv
-                    if hv % r == 0:
-                        qk[hk, c, i, d] = qv
-                        qk[hk, c, CHUNK + i, d] = kv
+            for i in range(i_lo, i_hi):
+                kv = k[t0 + i, hk, d] if i < m else float32(0.0)
+                qv = q[t0 + i, hk, d] if i < m else float32(0.0)
+                rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
+                kt[hv, c, i, d] = ek[i] * kv
+                qg[hv, c, i, d] = eg[i] * qv
+                if hv % r == 0:
+                    qk[hk, c, i, d] = qv
+                    qk[hk, c, CHUNK + i, d] = kv
         for d in range(tid, dv, nt):
-            for i0 in range(0, CHUNK, BATCH):
-                for j in range(BATCH):
-                    kb[j] = v[min(t0 + i0 + j, last_t), hv, d] if i0 + j < m else float32(0.0)
-                for j in range(min(BATCH, CHUNK - i0)):
-                    rhs[hv, c, i0 + j, d] = bs[i0 + j] * kb[j]
+            for i in range(i_lo, i_hi):
+                rhs[hv, c, i, d] = bs[i] * v[t0 + i, hv, d] if i < m else float32(0.0)
     return prep
 
 
@@ -175,46 +168,73 @@ def _pair(a0, a1, a2, a3, b, k, k1, n0, row, c):
 
 
 @jit(device=True, forceinline=True)
-def _fetch(src, hv, c, ra, lim, off, k, kmax, transposed):
+def _fetch(src, cr, ra, lim, ld, off, k, kmax, transposed):
     """The A fragment of one k step (mma.py's TF32 layout, k slots 2 quad and 2 quad + 1) at the lane's rows
-    ra and ra + 8: A[r, k] = src[hv, c, r, off + k], or src[hv, c, k, r] when `transposed`; zero at rows
-    >= lim and k >= kmax (the reads clamped inside the arrays)."""
+    ra and ra + 8 of a chunk whose first row is flat row cr of `src` (row length ld): A[r, k] =
+    src[(cr + r) ld + off + k], or src[(cr + k) ld + r] when `transposed`; zero at rows >= lim and k >= kmax
+    (the reads clamped inside the chunk)."""
     ca, cb = min(ra, lim - 1), min(ra + 8, lim - 1)
     kc, kd = min(k, kmax - 1), min(k + 1, kmax - 1)
     if transposed:
-        a0, a1, a2, a3 = src[hv, c, kc, ca], src[hv, c, kc, cb], src[hv, c, kd, ca], src[hv, c, kd, cb]
+        a0, a1 = src[(cr + kc) * ld + ca], src[(cr + kc) * ld + cb]
+        a2, a3 = src[(cr + kd) * ld + ca], src[(cr + kd) * ld + cb]
     else:
-        a0, a1 = src[hv, c, ca, off + kc], src[hv, c, cb, off + kc]
-        a2, a3 = src[hv, c, ca, off + kd], src[hv, c, cb, off + kd]
+        a0, a1 = src[(cr + ca) * ld + off + kc], src[(cr + cb) * ld + off + kc]
+        a2, a3 = src[(cr + ca) * ld + off + kd], src[(cr + cb) * ld + off + kd]
     f0 = float32(0.0)
     return (a0 if ra < lim and k < kmax else f0, a1 if ra + 8 < lim and k < kmax else f0,
             a2 if ra < lim and k + 1 < kmax else f0, a3 if ra + 8 < lim and k + 1 < kmax else f0)
 
 
 @jit(device=True, forceinline=True)
-def _times(src, hv, c, ra, lim, off, b, kmax, n0, quad, row, steps, acc, transposed):
+def _frag(src, at, ks, rs):
+    """An exact fragment from its first element's flat offset: a0 at `at`, a1 a row tile (8 rows, rs) on,
+    a2 and a3 the next k (ks) on."""
+    return src[at], src[at + rs], src[at + ks], src[at + rs + ks]
+
+
+@jit(device=True, forceinline=True)
+def _times(src, cr, ra, lim, ld, off, b, kmax, n0, quad, row, steps, acc, transposed, exact):
     """acc + A B for the 16 x 16 item at the lane's rows ra, ra + 8 and shared columns n0: A as _fetch
-    reads it, B = b[k, n0:n0 + 16]. Eight k steps at a time: their 32 global loads go out together,
-    then their 16 mma; step by step when `steps` is no multiple of 8 (the small shapes of the simulator)."""
-    if steps % 8:
+    reads it, B = b[k, n0:n0 + 16]. `exact` (the chunk's and the state's rows whole tiles, a constant where
+    this is inlined): unsigned offsets, no clamps, and eight k steps at a time, their 32 global loads out
+    together before their 16 mma. Otherwise (the simulator's small shapes) step by step, clamped."""
+    if not exact:
         for g in range(steps):
             kk = 8 * g + 2 * quad
-            x = _fetch(src, hv, c, ra, lim, off, kk, kmax, transposed)
+            x = _fetch(src, cr, ra, lim, ld, off, kk, kmax, transposed)
             acc = _pair(x[0], x[1], x[2], x[3], b, min(kk, kmax - 1), min(kk + 1, kmax - 1), n0, row, acc)
         return acc
+    uq, un0, urow = uint64(2 * quad), uint64(n0), uint64(row)
+    if transposed:
+        at, ks, rs = (uint64(cr) + uq) * uint64(ld) + uint64(ra), uint64(ld), uint64(8)
+    else:
+        at, ks, rs = (uint64(cr) + uint64(ra)) * uint64(ld) + uint64(off) + uq, uint64(1), uint64(8 * ld)
+    if steps % 8:
+        for g in range(steps):
+            x = _frag(src, at + uint64(8 * g) * ks, ks, rs)
+            kk = uint64(8 * g) + uq
+            acc = _pair(x[0], x[1], x[2], x[3], b, kk, kk + uint64(1), un0, urow, acc)
+        return acc
     for g in range(0, steps, 8):
-        k = 8 * g + 2 * quad
-        x0 = _fetch(src, hv, c, ra, lim, off, k, kmax, transposed)
-        x1 = _fetch(src, hv, c, ra, lim, off, k + 8, kmax, transposed)
-        x2 = _fetch(src, hv, c, ra, lim, off, k + 16, kmax, transposed)
-        x3 = _fetch(src, hv, c, ra, lim, off, k + 24, kmax, transposed)
-        x4 = _fetch(src, hv, c, ra, lim, off, k + 32, kmax, transposed)
-        x5 = _fetch(src, hv, c, ra, lim, off, k + 40, kmax, transposed)
-        x6 = _fetch(src, hv, c, ra, lim, off, k + 48, kmax, transposed)
-        x7 = _fetch(src, hv, c, ra, lim, off, k + 56, kmax, transposed)
-        for j, x in enumerate((x0, x1, x2, x3, x4, x5, x6, x7)):
-            kk = k + 8 * j
-            acc = _pair(x[0], x[1], x[2], x[3], b, min(kk, kmax - 1), min(kk + 1, kmax - 1), n0, row, acc)
+        x0 = _frag(src, at, ks, rs)
+        x1 = _frag(src, at + uint64(8) * ks, ks, rs)
+        x2 = _frag(src, at + uint64(16) * ks, ks, rs)
+        x3 = _frag(src, at + uint64(24) * ks, ks, rs)
+        x4 = _frag(src, at + uint64(32) * ks, ks, rs)
+        x5 = _frag(src, at + uint64(40) * ks, ks, rs)
+        x6 = _frag(src, at + uint64(48) * ks, ks, rs)
+        x7 = _frag(src, at + uint64(56) * ks, ks, rs)
+        at += uint64(64) * ks
+        kk = uint64(8 * g) + uq        # written out: a loop over the tuples would select among them at run time
+        acc = _pair(x0[0], x0[1], x0[2], x0[3], b, kk, kk + uint64(1), un0, urow, acc)
+        acc = _pair(x1[0], x1[1], x1[2], x1[3], b, kk + uint64(8), kk + uint64(9), un0, urow, acc)
+        acc = _pair(x2[0], x2[1], x2[2], x2[3], b, kk + uint64(16), kk + uint64(17), un0, urow, acc)
+        acc = _pair(x3[0], x3[1], x3[2], x3[3], b, kk + uint64(24), kk + uint64(25), un0, urow, acc)
+        acc = _pair(x4[0], x4[1], x4[2], x4[3], b, kk + uint64(32), kk + uint64(33), un0, urow, acc)
+        acc = _pair(x5[0], x5[1], x5[2], x5[3], b, kk + uint64(40), kk + uint64(41), un0, urow, acc)
+        acc = _pair(x6[0], x6[1], x6[2], x6[3], b, kk + uint64(48), kk + uint64(49), un0, urow, acc)
+        acc = _pair(x7[0], x7[1], x7[2], x7[3], b, kk + uint64(56), kk + uint64(57), un0, urow, acc)
     return acc
 
 
@@ -222,16 +242,38 @@ def _make_walk(control, cols, threads, dk):
     """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
     dk. Each chunk: (1) W S and e^G Q S on tensor cores, D = U - W S and e^G Q S into shared memory;
     (2) O = e^G Q S + P D to the output, and S <- e^(G_n) S + K~^T D. A warp takes one 16 x 16 item (two
-    mma tiles on one A fragment) at a time, four k steps' global loads in flight at once (_times); warps past the last item compute it and write nothing, so every warp issues
-    the same mma count (the simulator's statement of the instruction synchronises the block). The k
-    index of each 8-wide step is laid out as 2 quad, 2 quad + 1 in both operands (mma.py): a lane's A
-    loads are neighbours in memory. control: the output without the entry state's read e^G Q S."""
+    mma tiles on one A fragment) at a time (_times); warps past the last item compute it and write
+    nothing, so every warp issues the same mma count (the simulator's statement of the instruction
+    synchronises the block). The k index of each 8-wide step is laid out as 2 quad, 2 quad + 1 in both
+    operands (mma.py): a lane's A loads are neighbours in memory. uw, qg, kt and p come flat (1-D views).
+    control: the output without the entry state's read e^G Q S."""
     srow = cols + 4
     warps = threads // 32
     ct = (CHUNK + 15) // 16              # row tiles of a chunk
     dt = (dk + 15) // 16                 # row tiles of the state
     npair = cols // 16                   # 16-column items of the block
     ksteps, csteps = dk // 8, (CHUNK + 7) // 8
+    exact = CHUNK % 16 == 0 and dk % 16 == 0
+
+    @jit(device=True, forceinline=True)
+    def first(o, d, uw, cr, wide, col0, dv, on_q, i, j, x):
+        """One value of a step (1) item: e^G Q S into o, or D = U - W S into d (zero past dv)."""
+        if i < CHUNK:
+            if on_q:
+                o[i, j] = float32(0.0) if control else x
+            elif col0 + j < dv:
+                d[i, j] = uw[(cr + i) * wide + col0 + j] - x
+            else:
+                d[i, j] = float32(0.0)
+
+    @jit(device=True, forceinline=True)
+    def second(s, out, on_s, lim, t0, hv, col0, i, j, x):
+        """One value of a step (2) item: the new state, or the output (rows and columns inside it)."""
+        if i < lim:
+            if on_s:
+                s[i, j] = x
+            elif t0 + i < out.shape[0] and col0 + j < out.shape[2]:
+                out[t0 + i, hv, col0 + j] = x
 
     @jit
     def walk(uw, qg, kt, p, gam, out):
@@ -239,7 +281,8 @@ def _make_walk(control, cols, threads, dk):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         row, quad = lane // 4, lane % 4
-        n, dv = out.shape[0], out.shape[2]
+        n, dv, slots = out.shape[0], out.shape[2], gam.shape[1]
+        wide = dv + dk
         chunks = (n + CHUNK - 1) // CHUNK
         s = cuda.shared.array((DK_MAX, srow), float32)
         d = cuda.shared.array((CHUNK, srow), float32)
@@ -250,6 +293,7 @@ def _make_walk(control, cols, threads, dk):
         f0 = float32(0.0)
         zero = (f0, f0, f0, f0, f0, f0, f0, f0)
         for c in range(chunks):
+            cr = (hv * slots + c) * CHUNK            # the chunk's first row in the flat work arrays
             # (1) D = U - W S (items below ct * npair), e^G Q S (the rest)
             for it in range((2 * ct * npair + warps - 1) // warps):
                 item = min(warp + it * warps, 2 * ct * npair - 1)
@@ -259,19 +303,19 @@ def _make_walk(control, cols, threads, dk):
                 r0, n0 = 16 * (part // npair), 16 * (part % npair)
                 ra = r0 + row
                 if on_q:
-                    acc = _times(qg, hv, c, ra, CHUNK, 0, s, dk, n0, quad, row, ksteps, zero, False)
+                    acc = _times(qg, cr, ra, CHUNK, dk, 0, s, dk, n0, quad, row, ksteps, zero, False, exact)
                 else:
-                    acc = _times(uw, hv, c, ra, CHUNK, dv, s, dk, n0, quad, row, ksteps, zero, False)
-                if live:
-                    for e in range(8):
-                        i, j = ra + 8 * ((e // 2) % 2), n0 + 8 * (e // 4) + 2 * quad + e % 2
-                        if i < CHUNK:
-                            if on_q:
-                                o[i, j] = float32(0.0) if control else acc[e]
-                            elif col0 + j < dv:
-                                d[i, j] = uw[hv, c, i, col0 + j] - acc[e]
-                            else:
-                                d[i, j] = float32(0.0)
+                    acc = _times(uw, cr, ra, CHUNK, wide, dv, s, dk, n0, quad, row, ksteps, zero, False, exact)
+                if live:                # the item's eight values, written out (acc[e] in a loop would select)
+                    j0 = n0 + 2 * quad
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0, acc[0])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 1, acc[1])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0, acc[2])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 1, acc[3])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 8, acc[4])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 9, acc[5])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 8, acc[6])
+                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 9, acc[7])
             cuda.syncthreads()
             # (2) O = e^G Q S + P D to the output (items below ct * npair), S <- e^(G_n) S + K~^T D (the rest)
             decay = math.exp(gam[hv, c, CHUNK - 1])
@@ -288,19 +332,21 @@ def _make_walk(control, cols, threads, dk):
                 if on_s:
                     acc = (decay * s[ca, j0], decay * s[ca, j0 + 1], decay * s[cb, j0], decay * s[cb, j0 + 1],
                            decay * s[ca, j0 + 8], decay * s[ca, j0 + 9], decay * s[cb, j0 + 8], decay * s[cb, j0 + 9])
-                    acc = _times(kt, hv, c, ra, dk, 0, d, CHUNK, n0, quad, row, csteps, acc, True)
+                    acc = _times(kt, cr, ra, dk, dk, 0, d, CHUNK, n0, quad, row, csteps, acc, True, exact)
                 else:
                     acc = (o[ca, j0], o[ca, j0 + 1], o[cb, j0], o[cb, j0 + 1],
                            o[ca, j0 + 8], o[ca, j0 + 9], o[cb, j0 + 8], o[cb, j0 + 9])
-                    acc = _times(p, hv, c, ra, CHUNK, 0, d, CHUNK, n0, quad, row, csteps, acc, False)
+                    acc = _times(p, cr, ra, CHUNK, CHUNK, 0, d, CHUNK, n0, quad, row, csteps, acc, False, exact)
                 if live:
-                    for e in range(8):
-                        i, j = ra + 8 * ((e // 2) % 2), n0 + 8 * (e // 4) + 2 * quad + e % 2
-                        if i < lim:
-                            if on_s:
-                                s[i, j] = acc[e]
-                            elif c * CHUNK + i < n and col0 + j < dv:
-                                out[c * CHUNK + i, hv, col0 + j] = acc[e]
+                    t0 = c * CHUNK
+                    second(s, out, on_s, lim, t0, hv, col0, ra, j0, acc[0])
+                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 1, acc[1])
+                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0, acc[2])
+                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 1, acc[3])
+                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 8, acc[4])
+                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 9, acc[5])
+                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 8, acc[6])
+                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 9, acc[7])
             cuda.syncthreads()
     return walk
 
@@ -386,8 +432,8 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     if walk_key not in _walk:
         _walk[walk_key] = _make_walk(*walk_key)
     if "prep" in stages:
-        _prep[r][(n_hv, slots), min(dk, THREADS), stream](q, k, v, g, beta, w["qk"], w["rhs"], w["kt"], w["qg"],
-                                                      w["gam"])
+        _prep[r][(n_hv, slots, -(-CHUNK // SPAN)), min(dk, THREADS), stream](q, k, v, g, beta, w["qk"], w["rhs"],
+                                                                         w["kt"], w["qg"], w["gam"])
 
     def product(*args, **kw):
         _product(*args, tf32=True, stream=stream, **kw)
@@ -400,7 +446,8 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     if "uw" in stages:             # [U | W] = T [beta V | beta e^G K]
         product(C, wide, C, w["t"], 0, C, C * C, w["rhs"], 0, wide, C * wide, w["uw"], 0, wide, C * wide, batch)
     if "walk" in stages:
-        _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream](w["uw"], w["qg"], w["kt"], w["p"], w["gam"], out)
+        flat = [w[name].reshape(w[name].size) for name in ("uw", "qg", "kt", "p")]
+        _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream](*flat, w["gam"], out)
 
 
 def _run(inp, control, kind="decay"):
