@@ -23,6 +23,7 @@ from .mma import mma_tf32
 
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
+AREA = CHUNK * ROW
 PARTS = 4                                # threads per column of T in the triangular solve
 THREADS = 32 if SIMULATED else 256       # prep and scatter
 REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
@@ -112,8 +113,8 @@ def _make_solve(control, r):
         hk = hv // r
         t0 = c * CHUNK
         m = max(0, min(CHUNK, n - t0))
-        a = cuda.shared.array((CHUNK, ROW), float32)
-        x = cuda.shared.array((CHUNK, ROW), float32)
+        a = cuda.shared.array(AREA, float32)       # CHUNK rows of ROW floats
+        x = cuda.shared.array(AREA, float32)
         gs = cuda.shared.array(CHUNK, float32)
         bs = cuda.shared.array(CHUNK, float32)
         red = cuda.shared.array(REDUCE, float32)
@@ -124,29 +125,31 @@ def _make_solve(control, r):
         for idx in range(tid, CHUNK * CHUNK, nt):
             i, l = idx // CHUNK, idx % CHUNK
             decay = math.exp(gs[i] - gs[l]) if l <= i else float32(0.0)
-            a[i, l] = bs[i] * decay * gram[hk, c, CHUNK + i, l] if l < i else float32(0.0)
+            a[i * ROW + l] = bs[i] * decay * gram[hk, c, CHUNK + i, l] if l < i else float32(0.0)
             qk = gram[hk, c, i, l]
             p_out[hv, c, i, l] = (qk if l <= i else float32(0.0)) if control else decay * qk
-            x[i, l] = float32(1.0) if i == l else float32(0.0)
+            x[i * ROW + l] = float32(1.0) if i == l else float32(0.0)
         cuda.syncthreads()
         col, part = tid // PARTS, tid % PARTS
         for r0 in range(0, CHUNK, SUB):
             # rows r0..r0+SUB-1 less the rows above the block (already final), all threads
+            # (unsigned offsets: no negative-index fix-ups in the inner loop)
             for idx in range(tid, SUB * CHUNK, nt):
                 i, j = r0 + idx // CHUNK, idx % CHUNK
+                ai, xj = uint64(i * ROW), uint64(j)
                 s = float32(0.0)
-                for l in range(r0):
-                    s += a[i, l] * x[l, j]
-                x[i, j] -= s
+                for l in range(uint64(r0)):
+                    s += a[ai + l] * x[l * uint64(ROW) + xj]
+                x[i * ROW + j] -= s
             cuda.syncthreads()
             # inside the block: row i less its rows r0..i-1, serial over i
             for i in range(r0 + 1, r0 + SUB):
                 s = float32(0.0)
                 for l in range(r0 + part, i, PARTS):
-                    s += a[i, l] * x[l, col]
+                    s += a[i * ROW + l] * x[l * ROW + col]
                 s = parts_sum(red, tid, s)
                 if part == 0:
-                    x[i, col] -= s
+                    x[i * ROW + col] -= s
                 if SIMULATED:
                     cuda.syncthreads()
                 else:
@@ -154,7 +157,7 @@ def _make_solve(control, r):
             cuda.syncthreads()
         for idx in range(tid, CHUNK * CHUNK, nt):
             i, l = idx // CHUNK, idx % CHUNK
-            t_out[hv, c, i, l] = x[i, l]
+            t_out[hv, c, i, l] = x[i * ROW + l]
     return solve
 
 

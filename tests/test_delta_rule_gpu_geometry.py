@@ -46,6 +46,7 @@ CHUNKED = INPUTS.format(n=70, dk=16) + """
 from cuda_kernels import gdn_chunk as gc
 gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK = 64, 16, 256, (16, 128)
 gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
+gc.AREA = gc.CHUNK * gc.ROW
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
 expected, bound = gc._ref_chunked(inp)
 print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), expected, bound)[0])
