@@ -31,7 +31,7 @@ SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
 SPAN = 8                                 # tokens of a chunk per prep block
 # The walk: (state columns per block, a multiple of 16; threads per block, whole warps). Its shared state
 # holds up to DK_MAX key rows; rows of cols + 4 floats put a fragment's 32 loads in 32 banks.
-WALK = (16, 64) if SIMULATED else (16, 128)
+WALK = (16, 64) if SIMULATED else (16, 256)
 DK_MAX = 16 if SIMULATED else 128
 
 

@@ -20,7 +20,7 @@ HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
 # the chunked form's serial pass: (state columns, threads) per block
-WALKS = [(16, 128), (16, 256), (32, 128), (32, 256), (8, 128)]
+WALKS = [(16, 128), (16, 256), (16, 512), (32, 256), (32, 512)]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
 GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
 
