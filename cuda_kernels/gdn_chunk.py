@@ -4,8 +4,8 @@ The same function as gdn.gated_delta_rule; the serial dependence is cut from one
 small product per chunk. Per value head and chunk, with G = cumsum(g) in the chunk and D_il = e^(G_i - G_l):
   A = strictly_lower(beta K K^T * D),  T = (I + A)^-1,  P = lower(Q K^T * D),
   [U | W] = T [beta V | beta e^G K],   K~ = e^(G_n - G) K,
-all of it in parallel over chunks (three small kernels, prep and solve, and float32 strided-batched cuBLAS
-products on TF32 tensor cores). Then the walk, serial over chunks, one block per (value head, block of
+all of it in parallel over chunks (two kernels, prep and solve, and two strided-batched cuBLAS products on
+TF32 tensor cores). Then the walk, serial over chunks, one block per (value head, block of
 WALK columns of the state), the state's columns in shared memory, its products on TF32 mma.sync:
   D = U - W S,  O = e^G Q S + P D,  S <- e^(G_n) S + K~^T D.
 Buffers hold N + 1 chunk slots per head, so that every batched product walks its operands with one stride.
