@@ -23,6 +23,7 @@ from .core import SIMULATED, Case, from_bf16_bits, gamma, jit, to_bf16_bits
 from .gemm import EPS_TF32
 
 THREADS = 128      # threads per block of the kernels here (whole warps)
+STATED_THREADS = 256   # the largest block that calls the simulator's statement of an instruction
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
@@ -43,18 +44,23 @@ def _mma_ptx(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return sig, codegen
 
 
+def _post(regs, values):
+    """Simulator only: the lane posts its six registers into the block's shared `regs` (one row per
+    thread) and waits for the block; returns (its warp's first thread, row, quad)."""
+    tid = cuda.threadIdx.x
+    for i, r in enumerate(values):
+        regs[tid, i] = r
+    cuda.syncthreads()
+    return tid - tid % 32, (tid % 32) // 4, tid % 4
+
+
 @jit(device=True)
 def _mma_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """The simulator's mma_bf16: each lane posts its six registers, then reads A and B back through the
     fragment layout (module docstring) and sums its four outputs in float32, k in order. Every thread of
     the block must call it (it synchronises the block)."""
-    regs = cuda.shared.array((THREADS, 6), np.uint32)
-    tid = cuda.threadIdx.x
-    for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
-        regs[tid, i] = r
-    cuda.syncthreads()
-    base = tid - tid % 32
-    row, quad = (tid % 32) // 4, tid % 4
+    regs = cuda.shared.array((STATED_THREADS, 6), np.uint32)
+    base, row, quad = _post(regs, (a0, a1, a2, a3, b0, b1))
 
     def element(reg, lane, high):         # one bf16 of a posted register, as a float32
         bits = (int(regs[base + lane, reg]) >> (16 if high else 0)) & 0xFFFF
@@ -65,10 +71,17 @@ def _mma_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
     def b(k, j):                          # B[k, j]: lane 4 j + (k % 8) // 2, register b0 or b1
         return element(4 + k // 8, 4 * j + (k % 8) // 2, k % 2)
+    return _stated_sums(a, b, 16, row, quad, (c0, c1, c2, c3))
+
+
+def _stated_sums(a, b, depth, row, quad, c):
+    """The lane's four outputs of a stated instruction (simulator only): C + A B at (row, 2 quad),
+    (row, 2 quad + 1), (row + 8, 2 quad), (row + 8, 2 quad + 1), the `depth` products summed in float32, k
+    in order; then the block's second barrier, after which the posted registers may be overwritten."""
     out = []
-    for i, j, c in ((row, 2 * quad, c0), (row, 2 * quad + 1, c1), (row + 8, 2 * quad, c2), (row + 8, 2 * quad + 1, c3)):
-        acc = np.float32(c)
-        for k in range(16):
+    for e, (i, j) in enumerate(((row, 2 * quad), (row, 2 * quad + 1), (row + 8, 2 * quad), (row + 8, 2 * quad + 1))):
+        acc = np.float32(c[e])
+        for k in range(depth):
             acc = np.float32(acc + a(i, k) * b(k, j))
         out.append(acc)
     cuda.syncthreads()
@@ -86,7 +99,6 @@ mma_bf16 = _mma_stated if SIMULATED else _mma_ptx
 _MMA_TF32 = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
              "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
 TF32_MASK = 0xFFFFE000         # the bits of a float32 the TF32 instruction reads
-STATED_THREADS = 256           # the largest block that calls the simulator's statement of an instruction
 
 
 @intrinsic
@@ -110,12 +122,7 @@ def _mma_tf32_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """The simulator's mma_tf32, as _mma_stated: the lanes' registers exchanged through shared memory,
     each input cut to TF32 (TF32_MASK), the eight products summed in float32, k in order."""
     regs = cuda.shared.array((STATED_THREADS, 6), np.float32)
-    tid = cuda.threadIdx.x
-    for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
-        regs[tid, i] = r
-    cuda.syncthreads()
-    base = tid - tid % 32
-    row, quad = (tid % 32) // 4, tid % 4
+    base, row, quad = _post(regs, (a0, a1, a2, a3, b0, b1))
 
     def cut(x):
         return (np.array([x], np.float32).view(np.uint32) & np.uint32(TF32_MASK)).view(np.float32)[0]
@@ -125,14 +132,7 @@ def _mma_tf32_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
     def b(k, j):
         return cut(regs[base + 4 * j + k % 4, 4 + k // 4])
-    out = []
-    for i, j, c in ((row, 2 * quad, c0), (row, 2 * quad + 1, c1), (row + 8, 2 * quad, c2), (row + 8, 2 * quad + 1, c3)):
-        acc = np.float32(c)
-        for k in range(8):
-            acc = np.float32(acc + a(i, k) * b(k, j))
-        out.append(acc)
-    cuda.syncthreads()
-    return out[0], out[1], out[2], out[3]
+    return _stated_sums(a, b, 8, row, quad, (c0, c1, c2, c3))
 
 
 mma_tf32 = _mma_tf32_stated if SIMULATED else _mma_tf32_ptx
@@ -144,11 +144,15 @@ def pair(bits, row, col):
     return uint32(bits[row, col]) | (uint32(bits[row, col + 1]) << uint32(16))
 
 
-def _make_product(control):
+def _make_product(control, tf32):
+    mma = mma_tf32 if tf32 else mma_bf16
+    step = 8 if tf32 else 16
+
     @jit
     def mma_product(x, w, out):
-        """out [M, N] = x [M, K] w [N, K]^T in float32, bf16 bits in; a warp per 16 x 8 tile of out,
-        M % 16 == N % 8 == K % 16 == 0. control: w's two k halves swapped (b0 <-> b1)."""
+        """out [M, N] = x [M, K] w [N, K]^T in float32: bf16 bits in (K % 16 == 0), or float32 read as TF32
+        (`tf32`, K % 8 == 0); a warp per 16 x 8 tile of out, M % 16 == N % 8 == 0. control: w's two k
+        halves swapped (b0 <-> b1)."""
         lane = cuda.threadIdx.x % 32
         warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
         tiles_n = out.shape[1] // 8
@@ -161,16 +165,21 @@ def _make_product(control):
         c1 = float32(0.0)
         c2 = float32(0.0)
         c3 = float32(0.0)
-        for k0 in range(0, x.shape[1], 16):
-            a0 = pair(x, m0 + row, k0 + 2 * quad)
-            a1 = pair(x, m0 + row + 8, k0 + 2 * quad)
-            a2 = pair(x, m0 + row, k0 + 2 * quad + 8)
-            a3 = pair(x, m0 + row + 8, k0 + 2 * quad + 8)
-            b0 = pair(w, n0 + row, k0 + 2 * quad)
-            b1 = pair(w, n0 + row, k0 + 2 * quad + 8)
+        for k0 in range(0, x.shape[1], step):
+            if tf32:
+                a0, a1 = x[m0 + row, k0 + quad], x[m0 + row + 8, k0 + quad]
+                a2, a3 = x[m0 + row, k0 + quad + 4], x[m0 + row + 8, k0 + quad + 4]
+                b0, b1 = w[n0 + row, k0 + quad], w[n0 + row, k0 + quad + 4]
+            else:
+                a0 = pair(x, m0 + row, k0 + 2 * quad)
+                a1 = pair(x, m0 + row + 8, k0 + 2 * quad)
+                a2 = pair(x, m0 + row, k0 + 2 * quad + 8)
+                a3 = pair(x, m0 + row + 8, k0 + 2 * quad + 8)
+                b0 = pair(w, n0 + row, k0 + 2 * quad)
+                b1 = pair(w, n0 + row, k0 + 2 * quad + 8)
             if control:
                 b0, b1 = b1, b0
-            c0, c1, c2, c3 = mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
         if live:
             out[m0 + row, n0 + 2 * quad] = c0
             out[m0 + row, n0 + 2 * quad + 1] = c1
@@ -179,41 +188,8 @@ def _make_product(control):
     return mma_product
 
 
-_product = {c: _make_product(c) for c in (False, True)}
-
-
-def _make_product_tf32(control):
-    @jit
-    def mma_product_tf32(x, w, out):
-        """out [M, N] = x [M, K] w [N, K]^T, float32 in, TF32 products; as mma_product, K % 8 == 0.
-        control: w's two k halves swapped (b0 <-> b1)."""
-        lane = cuda.threadIdx.x % 32
-        warp = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
-        tiles_n = out.shape[1] // 8
-        tiles = (out.shape[0] // 16) * tiles_n
-        live = warp < tiles
-        tile = min(warp, tiles - 1)
-        m0, n0 = 16 * (tile // tiles_n), 8 * (tile % tiles_n)
-        row, quad = lane // 4, lane % 4
-        c0 = float32(0.0)
-        c1 = float32(0.0)
-        c2 = float32(0.0)
-        c3 = float32(0.0)
-        for k0 in range(0, x.shape[1], 8):
-            b0, b1 = w[n0 + row, k0 + quad], w[n0 + row, k0 + quad + 4]
-            if control:
-                b0, b1 = b1, b0
-            c0, c1, c2, c3 = mma_tf32(x[m0 + row, k0 + quad], x[m0 + row + 8, k0 + quad], x[m0 + row, k0 + quad + 4],
-                                      x[m0 + row + 8, k0 + quad + 4], b0, b1, c0, c1, c2, c3)
-        if live:
-            out[m0 + row, n0 + 2 * quad] = c0
-            out[m0 + row, n0 + 2 * quad + 1] = c1
-            out[m0 + row + 8, n0 + 2 * quad] = c2
-            out[m0 + row + 8, n0 + 2 * quad + 1] = c3
-    return mma_product_tf32
-
-
-_product_tf32 = {c: _make_product_tf32(c) for c in (False, True)}
+_product = {c: _make_product(c, False) for c in (False, True)}
+_product_tf32 = {c: _make_product(c, True) for c in (False, True)}
 
 
 def mma_product(x, w, out, stream=0, control=False):

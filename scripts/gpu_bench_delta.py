@@ -40,13 +40,18 @@ def replay_ms(ops, args, form, geometry=None, walk=None, reps=20):
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
     graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
+    return graph_ms(graph, stream, reps), out.copy_to_host()
+
+
+def graph_ms(graph, stream, reps):
+    """Median wall ms of `reps` synchronised replays of a captured graph, after three unmeasured ones."""
     times = []
     for _ in range(reps + 3):
         t = time.perf_counter()
         graph.launch(stream)
         stream.sync()
         times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times[3:]), out.copy_to_host()
+    return 1e3 * statistics.median(times[3:])
 
 
 def stage_ms(ops, args, reps=20):
@@ -65,13 +70,7 @@ def stage_ms(ops, args, reps=20):
     def timed(stage):
         graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(*args, out, work, stream=ops.stream,
                                                                                    stages=(stage,)))
-        runs = []
-        for _ in range(reps + 3):
-            t = time.perf_counter()
-            graph.launch(stream)
-            stream.sync()
-            runs.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(runs[3:])
+        return graph_ms(graph, stream, reps)
     for stage in gdn_chunk.STAGES:
         times[f"chunked_stage_{stage}_ms"] = timed(stage)
     # the solve with other serial block heights (gdn_chunk.SUB rows)
