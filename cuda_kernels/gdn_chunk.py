@@ -8,7 +8,8 @@ all of it in parallel over chunks (two kernels, prep and solve, and two strided-
 TF32 tensor cores). Then the walk, serial over chunks, one block per (value head, block of
 WALK columns of the state), the state's columns in shared memory, its products on TF32 mma.sync:
   D = U - W S,  O = e^G Q S + P D,  S <- e^(G_n) S + K~^T D.
-Buffers hold N + 1 chunk slots per head, so that every batched product walks its operands with one stride.
+Buffers hold N + 1 chunk slots per head, the last one zero (the earlier chunk-map form's state walk needed it;
+kept, unmeasured without it), so every batched product walks its operands with one stride.
 """
 
 import math
@@ -25,7 +26,7 @@ CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
 AREA = CHUNK * ROW
 PARTS = 4                                # threads per column of T in the triangular solve
-THREADS = 32 if SIMULATED else 256       # prep and scatter
+THREADS = 32 if SIMULATED else 256       # prep (at most one thread per key dim)
 REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
 SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
 SPAN = 8                                 # tokens of a chunk per prep block
