@@ -20,7 +20,7 @@ from numba import cuda, float32, uint64
 from .core import SIMULATED, Case, gamma, jit
 from .gdn import _make_delta_inputs, delta_reference_terms
 from .gemm import EPS_TF32, OP_N, OP_T, blas
-from .mma import mma_tf32
+from .mma import mma_tf32, prefetch_l2
 
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
@@ -242,7 +242,7 @@ def _times(src, cr, ra, lim, ld, off, b, kmax, n0, quad, row, steps, acc, transp
     return acc
 
 
-def _make_walk(control, cols, threads, dk):
+def _make_walk(control, cols, threads, dk, prefetch=False):
     """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
     dk. Each chunk: (1) W S and e^G Q S on tensor cores, D = U - W S and e^G Q S into shared memory;
     (2) O = e^G Q S + P D to the output, and S <- e^(G_n) S + K~^T D. A warp takes one 16 x 16 item (two
@@ -250,7 +250,9 @@ def _make_walk(control, cols, threads, dk):
     nothing, so every warp issues the same mma count (the simulator's statement of the instruction
     synchronises the block). The k index of each 8-wide step is laid out as 2 quad, 2 quad + 1 in both
     operands (mma.py): a lane's A loads are neighbours in memory. uw, qg, kt and p come flat (1-D views).
-    control: the output without the entry state's read e^G Q S."""
+    prefetch (whole tiles and dk % 32 == 0 only): at each chunk's start the block asks L2 for the next
+    chunk's lines, its share of W, e^G Q, K~ and P (the column blocks of a head split them) and its own
+    columns of U. control: the output without the entry state's read e^G Q S."""
     srow = cols + 4
     warps = threads // 32
     ct = (CHUNK + 15) // 16              # row tiles of a chunk
@@ -258,6 +260,10 @@ def _make_walk(control, cols, threads, dk):
     npair = cols // 16                   # 16-column items of the block
     ksteps, csteps = dk // 8, (CHUNK + 7) // 8
     exact = CHUNK % 16 == 0 and dk % 16 == 0
+    fetch_next = prefetch and exact and dk % 32 == 0
+    per_row = dk // 32                   # 128-byte lines in a row of W, e^G Q or K~
+    w_lines, q_lines, p_lines = CHUNK * per_row, CHUNK * per_row, CHUNK * CHUNK // 32
+    all_lines = w_lines + 2 * q_lines + p_lines
 
     @jit(device=True, forceinline=True)
     def first(o, d, uw, cr, wide, col0, dv, on_q, i, j, x):
@@ -298,6 +304,19 @@ def _make_walk(control, cols, threads, dk):
         zero = (f0, f0, f0, f0, f0, f0, f0, f0)
         for c in range(chunks):
             cr = (hv * slots + c) * CHUNK            # the chunk's first row in the flat work arrays
+            if fetch_next and c + 1 < chunks:
+                nr = uint64(cr + CHUNK)
+                for ln in range(cuda.blockIdx.y * threads + tid, all_lines, cuda.gridDim.y * threads):
+                    if ln < w_lines:
+                        prefetch_l2(uw, (nr + uint64(ln // per_row)) * uint64(wide) + uint64(dv + 32 * (ln % per_row)))
+                    elif ln < w_lines + q_lines:
+                        prefetch_l2(qg, nr * uint64(dk) + uint64(32 * (ln - w_lines)))
+                    elif ln < w_lines + 2 * q_lines:
+                        prefetch_l2(kt, nr * uint64(dk) + uint64(32 * (ln - w_lines - q_lines)))
+                    else:
+                        prefetch_l2(p, nr * uint64(CHUNK) + uint64(32 * (ln - w_lines - 2 * q_lines)))
+                for r in range(tid, CHUNK, threads):
+                    prefetch_l2(uw, (nr + uint64(r)) * uint64(wide) + uint64(col0))
             # (1) D = U - W S (items below ct * npair), e^G Q S (the rest)
             for it in range((2 * ct * npair + warps - 1) // warps):
                 item = min(warp + it * warps, 2 * ct * npair - 1)
@@ -417,11 +436,12 @@ STAGES = ("prep", "gram", "solve", "uw", "walk")
 def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None, walk=None, stages=STAGES):
     """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes. The
     products on tensor cores from TF32 inputs (float32 accumulation). walk: (columns, threads) of the
-    serial pass (default WALK). control: "decay" (P without its decay factors) or "state" (the output
+    serial pass (default WALK), or (columns, threads, True) to prefetch each next chunk into L2. control: "decay" (P without its decay factors) or "state" (the output
     without the entry state's read e^G Q S). stages: run only these of STAGES (to time them one by one)."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
-    cols, threads = walk or WALK
+    cols, threads, *rest = walk or WALK
+    prefetch = bool(rest and rest[0])
     if dk % 8 or dk > DK_MAX or cols % 16 or threads % 32:
         raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, walk {walk} "
                          "needs columns in sixteens and whole warps")
@@ -430,7 +450,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     w = work
     if r not in _prep:
         _prep[r] = _make_prep(r)
-    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk)
+    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk, prefetch)
     if solve_key not in _solve:
         _solve[solve_key] = _make_solve(*solve_key)
     if walk_key not in _walk:

@@ -17,6 +17,7 @@ Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16): with lane = 4 ro
 import numpy as np
 from llvmlite import ir
 from numba import cuda, float32, types, uint32
+from numba.core import cgutils
 from numba.cuda.extending import intrinsic
 
 from .core import SIMULATED, Case, from_bf16_bits, gamma, jit, to_bf16_bits
@@ -136,6 +137,33 @@ def _mma_tf32_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 mma_tf32 = _mma_tf32_stated if SIMULATED else _mma_tf32_ptx
+
+
+# --- an L2 prefetch (not tensor cores, but inline PTX of the same kind) ------------------------------
+@intrinsic
+def _prefetch_ptx(typingctx, ary, index):
+    """prefetch.global.L2 of the line holding ary[index] (a 1-D array): a hint, no result."""
+    sig = types.void(ary, index)
+
+    def codegen(context, builder, signature, args):
+        aryty, idxty = signature.args
+        array = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], idxty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
+        asm = ir.InlineAsm(fnty, "prefetch.global.L2 [$0];", "l", side_effect=True)
+        builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@jit(device=True)
+def _prefetch_stated(ary, index):
+    """The simulator's prefetch_l2: a hint, so nothing."""
+    return
+
+
+prefetch_l2 = _prefetch_stated if SIMULATED else _prefetch_ptx
 
 
 @jit(device=True, forceinline=True)

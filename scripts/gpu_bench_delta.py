@@ -19,8 +19,8 @@ from moss_cli.ops.cuda_table import CudaOps, capture
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
-# the chunked form's serial pass: (state columns, threads) per block
-WALKS = [(16, 128), (16, 256), (16, 512), (32, 256), (32, 512)]
+# the chunked form's serial pass: (state columns, threads) per block, and True to prefetch the next chunk into L2
+WALKS = [(16, 128), (16, 256), (16, 256, True), (32, 512), (32, 512, True)]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
 GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
 
@@ -52,6 +52,10 @@ def graph_ms(graph, stream, reps):
         stream.sync()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times[3:])
+
+
+def walk_label(walk):
+    return "chunked_walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
 
 
 def stage_ms(ops, args, reps=20):
@@ -107,7 +111,7 @@ def main():
             except Exception as exc:
                 row[label + "_ms"] = f"failed: {exc!r}"
         for walk in WALKS:
-            label = "chunked_walk{}x{}".format(*walk)
+            label = walk_label(walk)
             try:
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, "chunk", walk=walk)
             except Exception as exc:

@@ -30,7 +30,7 @@ CONFIG = {"text_config": {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
 # other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
-WALKS = [(16, 128), (16, 256), (16, 512), (32, 512)]
+WALKS = [(16, 256), (16, 256, True), (32, 512), (32, 512, True)]
 
 
 def small_param(name, shape, rng):
@@ -217,7 +217,8 @@ def main():
     for walk in WALKS:
         ops.delta_walk, enc._captured = walk, {}
         for n, ids in prompts.items():
-            speed[n]["ours_chunked_walk{}x{}_ms".format(*walk)] = replay_ms(enc, ids)
+            label = "walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
+            speed[n][f"ours_chunked_{label}_ms"] = replay_ms(enc, ids)
     ops.delta_walk, ops.chunk_from, enc._captured = None, default_from, {}
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
