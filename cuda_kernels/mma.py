@@ -159,8 +159,10 @@ def _prefetch_ptx(typingctx, ary, index):
 
 @jit(device=True)
 def _prefetch_stated(ary, index):
-    """The simulator's prefetch_l2: a hint, so nothing."""
-    return
+    """The simulator's prefetch_l2: a hint, so it moves nothing; it checks that the line it names lies
+    inside the array (the kernels' prefetch offsets are tested here, not on the GPU)."""
+    if not 0 <= int(index) < ary.size:
+        raise IndexError(f"prefetch_l2 at {int(index)} outside an array of {ary.size}")
 
 
 prefetch_l2 = _prefetch_stated if SIMULATED else _prefetch_ptx
