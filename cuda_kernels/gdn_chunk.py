@@ -436,8 +436,9 @@ STAGES = ("prep", "gram", "solve", "uw", "walk")
 def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None, walk=None, stages=STAGES):
     """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes. The
     products on tensor cores from TF32 inputs (float32 accumulation). walk: (columns, threads) of the
-    serial pass (default WALK), or (columns, threads, True) to prefetch each next chunk into L2. control: "decay" (P without its decay factors) or "state" (the output
-    without the entry state's read e^G Q S). stages: run only these of STAGES (to time them one by one)."""
+    serial pass (default WALK), or (columns, threads, True) to prefetch each next chunk into L2.
+    control: "decay" (P without its decay factors) or "state" (the output without the entry state's read
+    e^G Q S). stages: run only these of STAGES (to time them one by one)."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     cols, threads, *rest = walk or WALK
