@@ -36,6 +36,11 @@ WALK = (16, 64) if SIMULATED else (16, 256)
 DK_MAX = 16 if SIMULATED else 128
 
 
+def walk_name(walk):
+    """A walk geometry as the benchmarks label it: "walk16x256", "walk16x256_prefetch"."""
+    return "walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
+
+
 # --- kernels -------------------------------------------------------------------------------------
 def _make_prep(r):
     """Chunk-major operands per (value head, chunk, SPAN tokens), one thread per key dim; heads whose index

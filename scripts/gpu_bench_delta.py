@@ -13,7 +13,7 @@ import time
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import gdn
+from cuda_kernels import gdn, gdn_chunk
 from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -54,14 +54,9 @@ def graph_ms(graph, stream, reps):
     return 1e3 * statistics.median(times[3:])
 
 
-def walk_label(walk):
-    return "chunked_walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
-
-
 def stage_ms(ops, args, reps=20):
     """Each stage of the chunked form alone (gdn_chunk.STAGES), captured and replayed on buffers a full
     run filled: median ms per stage."""
-    from cuda_kernels import gdn_chunk
     q, k, v, g, beta = args
     n, n_hk, dk = q.shape
     shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
@@ -111,7 +106,7 @@ def main():
             except Exception as exc:
                 row[label + "_ms"] = f"failed: {exc!r}"
         for walk in WALKS:
-            label = walk_label(walk)
+            label = "chunked_" + gdn_chunk.walk_name(walk)
             try:
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, "chunk", walk=walk)
             except Exception as exc:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numba import cuda
 
+from cuda_kernels import gdn_chunk
 from cuda_kernels.core import from_bf16_bits, to_bf16_bits
 from cuda_kernels.layout import random_bf16
 from moss_cli.encoder import expected_tensors, text_config
@@ -217,8 +218,7 @@ def main():
     for walk in WALKS:
         ops.delta_walk, enc._captured = walk, {}
         for n, ids in prompts.items():
-            label = "walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
-            speed[n][f"ours_chunked_{label}_ms"] = replay_ms(enc, ids)
+            speed[n][f"ours_chunked_{gdn_chunk.walk_name(walk)}_ms"] = replay_ms(enc, ids)
     ops.delta_walk, ops.chunk_from, enc._captured = None, default_from, {}
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
