@@ -91,6 +91,87 @@ def _make_prep(r):
     return prep
 
 
+def _make_prep_rows(r):
+    """prep with one block per (value head, chunk): the cumulative decays by a parallel scan, then each
+    thread one key (value) dim of ROWS rows at a time, the rows' loads issued together before any store
+    (a store may alias a later load, so loads written after a store wait for it)."""
+    @jit(device=True, forceinline=True)
+    def key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i, d, kv, qv):
+        if i < CHUNK:
+            rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
+            kt[hv, c, i, d] = ek[i] * kv
+            qg[hv, c, i, d] = eg[i] * qv
+            if hv % r == 0:
+                qk[hk, c, i, d] = qv
+                qk[hk, c, CHUNK + i, d] = kv
+
+    @jit
+    def prep(q, k, v, g, beta, qk, rhs, kt, qg, gam):
+        hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
+        n, dk, dv = q.shape[0], q.shape[2], v.shape[2]
+        hk = hv // r
+        t0 = c * CHUNK
+        m = max(0, min(CHUNK, n - t0))
+        gs = cuda.shared.array(CHUNK, float32)
+        bs = cuda.shared.array(CHUNK, float32)
+        eg = cuda.shared.array(CHUNK, float32)
+        ek = cuda.shared.array(CHUNK, float32)
+        if tid < CHUNK:
+            gs[tid] = g[t0 + tid, hv] if tid < m else float32(0.0)
+            bs[tid] = beta[t0 + tid, hv] if tid < m else float32(0.0)
+        cuda.syncthreads()
+        step = 1
+        while step < CHUNK:                     # inclusive scan, Hillis-Steele
+            add = gs[tid - step] if tid < CHUNK and tid >= step else float32(0.0)
+            cuda.syncthreads()
+            if tid < CHUNK:
+                gs[tid] += add
+            cuda.syncthreads()
+            step *= 2
+        if tid < CHUNK:
+            eg[tid] = math.exp(gs[tid])
+            ek[tid] = math.exp(gs[CHUNK - 1] - gs[tid])
+            gam[hv, c, tid] = gs[tid]
+        cuda.syncthreads()
+        f0 = float32(0.0)
+        rs = nt // dk
+        if tid < rs * dk:
+            d, i = tid % dk, tid // dk
+            while i < CHUNK:
+                i1, i2, i3 = i + rs, i + 2 * rs, i + 3 * rs
+                k0 = k[t0 + i, hk, d] if i < m else f0
+                k1 = k[t0 + i1, hk, d] if i1 < m else f0
+                k2 = k[t0 + i2, hk, d] if i2 < m else f0
+                k3 = k[t0 + i3, hk, d] if i3 < m else f0
+                q0 = q[t0 + i, hk, d] if i < m else f0
+                q1 = q[t0 + i1, hk, d] if i1 < m else f0
+                q2 = q[t0 + i2, hk, d] if i2 < m else f0
+                q3 = q[t0 + i3, hk, d] if i3 < m else f0
+                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i, d, k0, q0)
+                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i1, d, k1, q1)
+                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i2, d, k2, q2)
+                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i3, d, k3, q3)
+                i += 4 * rs
+        rs = nt // dv
+        if tid < rs * dv:
+            d, i = tid % dv, tid // dv
+            while i < CHUNK:
+                i1, i2, i3 = i + rs, i + 2 * rs, i + 3 * rs
+                v0 = v[t0 + i, hv, d] if i < m else f0
+                v1 = v[t0 + i1, hv, d] if i1 < m else f0
+                v2 = v[t0 + i2, hv, d] if i2 < m else f0
+                v3 = v[t0 + i3, hv, d] if i3 < m else f0
+                rhs[hv, c, i, d] = bs[i] * v0
+                if i1 < CHUNK:
+                    rhs[hv, c, i1, d] = bs[i1] * v1
+                if i2 < CHUNK:
+                    rhs[hv, c, i2, d] = bs[i2] * v2
+                if i3 < CHUNK:
+                    rhs[hv, c, i3, d] = bs[i3] * v3
+                i += 4 * rs
+    return prep
+
+
 def _make_solve(control, r):
     """T = (I + A)^-1 by blocked forward substitution, and the decayed P (control: P without its decay
     factors). Rows go in blocks of SUB: the rows above a block enter as one product all threads share,

@@ -25,6 +25,8 @@ for step in "$@"; do
     bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     tests) $limit python3 -m pytest -q -p no:cacheprovider tests/gpu -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
+    probe) $limit python3 scripts/gpu_probe_delta.py --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" &&
+           $limit python3 scripts/gpu_probe_delta.py --n 112 --out "$OUT/probe112.json" 2>&1 | tee -a "$OUT/probe.txt" ;;
     kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
