@@ -328,7 +328,7 @@ def _times(src, cr, ra, lim, ld, off, b, kmax, n0, quad, row, steps, acc, transp
     return acc
 
 
-def _make_walk(control, cols, threads, dk, prefetch=False):
+def _make_walk(control, cols, threads, dk, prefetch=False, parts=3):
     """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
     dk. Each chunk: (1) W S and e^G Q S on tensor cores, D = U - W S and e^G Q S into shared memory;
     (2) O = e^G Q S + P D to the output, and S <- e^(G_n) S + K~^T D. A warp takes one 16 x 16 item (two
@@ -338,7 +338,8 @@ def _make_walk(control, cols, threads, dk, prefetch=False):
     operands (mma.py): a lane's A loads are neighbours in memory. uw, qg, kt and p come flat (1-D views).
     prefetch (whole tiles and dk % 32 == 0 only): at each chunk's start the block asks L2 for the next
     chunk's lines, its share of W, e^G Q, K~ and P (the column blocks of a head split them) and its own
-    columns of U. control: the output without the entry state's read e^G Q S."""
+    columns of U. control: the output without the entry state's read e^G Q S. parts (timing probes only):
+    1 runs step (1) alone, 2 step (2) alone, 3 both."""
     srow = cols + 4
     warps = threads // 32
     ct = (CHUNK + 15) // 16              # row tiles of a chunk
@@ -404,7 +405,7 @@ def _make_walk(control, cols, threads, dk, prefetch=False):
                 for r in range(tid, CHUNK, threads):
                     prefetch_l2(uw, (nr + uint64(r)) * uint64(wide) + uint64(col0))
             # (1) D = U - W S (items below ct * npair), e^G Q S (the rest)
-            for it in range((2 * ct * npair + warps - 1) // warps):
+            for it in range((2 * ct * npair + warps - 1) // warps if parts & 1 else 0):
                 item = min(warp + it * warps, 2 * ct * npair - 1)
                 live = warp + it * warps < 2 * ct * npair
                 on_q = item >= ct * npair
@@ -428,7 +429,7 @@ def _make_walk(control, cols, threads, dk, prefetch=False):
             cuda.syncthreads()
             # (2) O = e^G Q S + P D to the output (items below ct * npair), S <- e^(G_n) S + K~^T D (the rest)
             decay = math.exp(gam[hv, c, CHUNK - 1])
-            for it in range(((ct + dt) * npair + warps - 1) // warps):
+            for it in range(((ct + dt) * npair + warps - 1) // warps if parts & 2 else 0):
                 item = min(warp + it * warps, (ct + dt) * npair - 1)
                 live = warp + it * warps < (ct + dt) * npair
                 on_s = item >= ct * npair

@@ -38,6 +38,8 @@ def main():
     solve = gc._solve[(False, r)]
     cols, threads = gc.WALK[:2]
     walk = gc._walk[(False, cols, threads, DK, False)]
+    walk1 = gc._make_walk(False, cols, threads, DK, False, 1)
+    walk2 = gc._make_walk(False, cols, threads, DK, False, 2)
     flat = [w[name].reshape(w[name].size) for name in ("uw", "qg", "kt", "p")]
     spans = -(-gc.CHUNK // gc.SPAN)
     prep_rows = gc._make_prep_rows(r)
@@ -70,6 +72,10 @@ def main():
         "walk_1colblock": lambda s: walk[(HV, 1), threads, s](*flat, w["gam"], out),
         "walk_4heads": lambda s: walk[(4, -(-DV // cols)), threads, s](*flat, w["gam"], out),
         "walk_1block": lambda s: walk[(1, 1), threads, s](*flat, w["gam"], out),
+        "walk_step1_only": lambda s: walk1[(HV, -(-DV // cols)), threads, s](*flat, w["gam"], out),
+        "walk_step2_only": lambda s: walk2[(HV, -(-DV // cols)), threads, s](*flat, w["gam"], out),
+        "walk_step1_only_1block": lambda s: walk1[(1, 1), threads, s](*flat, w["gam"], out),
+        "walk_step2_only_1block": lambda s: walk2[(1, 1), threads, s](*flat, w["gam"], out),
         "empty_graph_node": lambda s: walk[(1, 1), threads, s](*flat, w["gam"], out[:0]),
     }
     for name, launch in runs.items():
