@@ -25,7 +25,11 @@ CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 def _make_conv(control, width):
     """The conv for kernel width `width` (unrolled): each thread runs one channel over CONV_TOKENS
-    consecutive tokens, keeping the taps and the last `width` inputs in registers."""
+    consecutive tokens, keeping the taps and its window of inputs in registers. All the window's loads
+    are issued before the first store (a store may alias a later load: loads written after one wait
+    for it)."""
+    span = CONV_TOKENS + width - 1
+
     @jit
     def causal_conv1d(x, w, out, activate):
         n, n_ch = x.shape[0], x.shape[1]
@@ -33,23 +37,21 @@ def _make_conv(control, width):
         if ch >= n_ch:
             return
         taps = cuda.local.array(width, float32)
-        window = cuda.local.array(width, float32)
+        window = cuda.local.array(span, float32)
         for j in range(width):
             taps[j] = w[ch, width - 1 - j] if control else w[ch, j]
         t0 = cuda.blockIdx.y * CONV_TOKENS
-        for j in range(width - 1):          # the inputs before t0, zero before the sequence
+        for j in range(span):               # inputs t0 - width + 1 .. t0 + CONV_TOKENS - 1, zero outside
             src = t0 - (width - 1) + j
-            window[j] = x[src, ch] if src >= 0 else float32(0.0)
-        for t in range(t0, min(t0 + CONV_TOKENS, n)):
-            window[width - 1] = x[t, ch]
+            window[j] = x[min(max(src, 0), n - 1), ch] if src >= 0 and src < n else float32(0.0)
+        for j in range(CONV_TOKENS):
             acc = float32(0.0)
-            for j in range(width):
-                acc += taps[j] * window[j]
+            for i in range(width):
+                acc += taps[i] * window[j + i]
             if activate:
                 acc = acc / (float32(1.0) + math.exp(-acc))
-            out[t, ch] = acc
-            for j in range(width - 1):
-                window[j] = window[j + 1]
+            if t0 + j < n:
+                out[t0 + j, ch] = acc
     return causal_conv1d
 
 
