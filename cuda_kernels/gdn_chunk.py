@@ -209,12 +209,18 @@ def _make_solve(control, r):
             gs[i] = gam[hv, c, i]
             bs[i] = beta[t0 + i, hv] if i < m else float32(0.0)
         cuda.syncthreads()
+        # the grams into shared memory first (P staged in x), then P out: global loads written after a
+        # global store would wait for it (the two may alias), shared stores do not hold them up
         for idx in range(tid, CHUNK * CHUNK, nt):
             i, l = idx // CHUNK, idx % CHUNK
             decay = math.exp(gs[i] - gs[l]) if l <= i else float32(0.0)
             a[i * ROW + l] = bs[i] * decay * gram[hk, c, CHUNK + i, l] if l < i else float32(0.0)
             qk = gram[hk, c, i, l]
-            p_out[hv, c, i, l] = (qk if l <= i else float32(0.0)) if control else decay * qk
+            x[i * ROW + l] = (qk if l <= i else float32(0.0)) if control else decay * qk
+        cuda.syncthreads()
+        for idx in range(tid, CHUNK * CHUNK, nt):
+            i, l = idx // CHUNK, idx % CHUNK
+            p_out[hv, c, i, l] = x[i * ROW + l]
             x[i * ROW + l] = float32(1.0) if i == l else float32(0.0)
         cuda.syncthreads()
         col, part = tid // PARTS, tid % PARTS
