@@ -29,6 +29,19 @@ def jit(*args, **kwargs):
     return cuda.jit(*args, **kwargs)
 
 
+def allow_shared(kernel, args, nbytes):
+    """Let `kernel` (compiled now for `args` if it is not yet) take `nbytes` of dynamic shared memory: past
+    48 KB a kernel must ask for it (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). The simulator has no
+    such limit."""
+    if SIMULATED or nbytes <= 48 * 1024:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    func = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, int(nbytes), func.handle, func.device.id)
+
+
 @jit(device=True)
 def widen(bits):
     """bf16 bits (uint16) -> float32: the bf16 is the high half of the float32."""

@@ -2,12 +2,11 @@
 
 The same function as gdn.gated_delta_rule; the serial dependence is cut from one step per token to one
 small product per chunk. Per value head and chunk, with G = cumsum(g) in the chunk and D_il = e^(G_i - G_l):
-  A = strictly_lower(beta K K^T * D),  T = (I + A)^-1,  P = lower(Q K^T * D),
-  [U | W] = T [beta V | beta e^G K],   K~ = e^(G_n - G) K,
+  A = strictly_lower(beta K K^T * D),  T = (I + A)^-1,  P = lower(Q K^T * D),  [U | W] = T [beta V | beta e^G K],
 all of it in parallel over chunks (two kernels, prep and solve, and two strided-batched cuBLAS products on
-TF32 tensor cores). Then the walk, serial over chunks, one block per (value head, block of
-WALK columns of the state), the state's columns in shared memory, its products on TF32 mma.sync:
-  D = U - W S,  O = e^G Q S + P D,  S <- e^(G_n) S + K~^T D.
+TF32 tensor cores). Then the walk, serial over chunks, one block per (value head, block of WALK columns of
+the state), its operands staged in shared memory, its products on TF32 mma.sync:
+  D = U - W S,  O = e^G (Q S) + P D,  S <- e^(G_n) S + K^T (e^(G_n - G) D).
 Buffers hold N + 1 chunk slots per head, the last one zero (the earlier chunk-map form's state walk needed it;
 kept, unmeasured without it), so every batched product walks its operands with one stride.
 """
@@ -17,96 +16,47 @@ import math
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .core import SIMULATED, Case, gamma, jit
+from .core import SIMULATED, Case, allow_shared, gamma, jit
 from .gdn import _make_delta_inputs, delta_reference_terms
 from .gemm import EPS_TF32, OP_N, OP_T, blas
-from .mma import mma_tf32, prefetch_l2
+from .mma import mma_tf32
 
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
 AREA = CHUNK * ROW
 PARTS = 4                                # threads per column of T in the triangular solve
-THREADS = 32 if SIMULATED else 256       # prep (at most one thread per key dim)
+THREADS = 32 if SIMULATED else 256       # prep (at least CHUNK and the key dim)
 REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
 SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
-SPAN = 8                                 # tokens of a chunk per prep block
-# The walk: (state columns per block, a multiple of 16; threads per block, whole warps). Its shared state
-# holds up to DK_MAX key rows; rows of cols + 4 floats put a fragment's 32 loads in 32 banks.
-WALK = (16, 64) if SIMULATED else (16, 256)
+# The walk: (state columns per block, a multiple of 8; threads per block, whole warps). One block per
+# SM at the GPU default (its staged operands take ~180 KB of shared memory at dk = 128): 32 value heads x
+# 4 column blocks fill the H200's 132 SMs once.
+WALK = (16, 64) if SIMULATED else (32, 512)
 DK_MAX = 16 if SIMULATED else 128
 
 
 def walk_name(walk):
-    """A walk geometry as the benchmarks label it: "walk16x256", "walk16x256_prefetch"."""
-    return "walk{}x{}".format(*walk) + ("_prefetch" if walk[2:] and walk[2] else "")
+    """A walk geometry as the benchmarks label it: "walk32x512"."""
+    return "walk{}x{}".format(*walk)
 
 
 # --- kernels -------------------------------------------------------------------------------------
 def _make_prep(r):
-    """Chunk-major operands per (value head, chunk, SPAN tokens), one thread per key dim; heads whose index
-    is a multiple of r (the value heads per key head) also write their key head's [Q; K] rows."""
-    @jit
-    def prep(q, k, v, g, beta, qk, rhs, kt, qg, gam):
-        hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
-        n, dk, dv = q.shape[0], q.shape[2], v.shape[2]
-        hk = hv // r
-        t0 = c * CHUNK
-        m = max(0, min(CHUNK, n - t0))
-        gs = cuda.shared.array(CHUNK, float32)
-        bs = cuda.shared.array(CHUNK, float32)      # beta
-        eg = cuda.shared.array(CHUNK, float32)      # e^G
-        ek = cuda.shared.array(CHUNK, float32)      # e^(G_n - G)
-        for i in range(tid, CHUNK, nt):
-            gs[i] = g[t0 + i, hv] if i < m else float32(0.0)
-            bs[i] = beta[t0 + i, hv] if i < m else float32(0.0)
-        cuda.syncthreads()
-        if tid == 0:
-            for i in range(1, CHUNK):
-                gs[i] += gs[i - 1]
-        cuda.syncthreads()
-        last = gs[CHUNK - 1]
-        for i in range(tid, CHUNK, nt):
-            eg[i] = math.exp(gs[i])
-            ek[i] = math.exp(last - gs[i])
-            if cuda.blockIdx.z == 0:
-                gam[hv, c, i] = gs[i]
-        cuda.syncthreads()
-        # this block's SPAN tokens of the chunk (a thread walks them serially: a store may alias the next
-        # load, so each token waits out one load latency; more blocks, fewer tokens each)
-        i_lo = cuda.blockIdx.z * SPAN
-        i_hi = min(i_lo + SPAN, CHUNK)
-        for d in range(tid, dk, nt):
-            for i in range(i_lo, i_hi):
-                kv = k[t0 + i, hk, d] if i < m else float32(0.0)
-                qv = q[t0 + i, hk, d] if i < m else float32(0.0)
-                rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
-                kt[hv, c, i, d] = ek[i] * kv
-                qg[hv, c, i, d] = eg[i] * qv
-                if hv % r == 0:
-                    qk[hk, c, i, d] = qv
-                    qk[hk, c, CHUNK + i, d] = kv
-        for d in range(tid, dv, nt):
-            for i in range(i_lo, i_hi):
-                rhs[hv, c, i, d] = bs[i] * v[t0 + i, hv, d] if i < m else float32(0.0)
-    return prep
-
-
-def _make_prep_rows(r):
-    """prep with one block per (value head, chunk): the cumulative decays by a parallel scan, then each
-    thread one key (value) dim of ROWS rows at a time, the rows' loads issued together before any store
-    (a store may alias a later load, so loads written after a store wait for it)."""
+    """Chunk-major operands, one block per (value head, chunk): the cumulative decays G by a parallel scan,
+    then [beta V | beta e^G K] and, from heads whose index is a multiple of r (the value heads per key
+    head), the key head's [Q; K] rows. Each thread takes one key (value) dim of four rows at a time, the
+    rows' loads issued together before any store (a store may alias a later load, so a load written
+    after a store waits for it: one memory latency per row)."""
     @jit(device=True, forceinline=True)
-    def key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i, d, kv, qv):
+    def key_row(qk, rhs, bs, eg, hv, hk, c, dv, i, d, kv, qv):
         if i < CHUNK:
             rhs[hv, c, i, dv + d] = bs[i] * eg[i] * kv
-            kt[hv, c, i, d] = ek[i] * kv
-            qg[hv, c, i, d] = eg[i] * qv
             if hv % r == 0:
                 qk[hk, c, i, d] = qv
                 qk[hk, c, CHUNK + i, d] = kv
 
     @jit
-    def prep(q, k, v, g, beta, qk, rhs, kt, qg, gam):
+    def prep(q, k, v, g, beta, qk, rhs, gam):
         hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
         n, dk, dv = q.shape[0], q.shape[2], v.shape[2]
         hk = hv // r
@@ -115,7 +65,6 @@ def _make_prep_rows(r):
         gs = cuda.shared.array(CHUNK, float32)
         bs = cuda.shared.array(CHUNK, float32)
         eg = cuda.shared.array(CHUNK, float32)
-        ek = cuda.shared.array(CHUNK, float32)
         if tid < CHUNK:
             gs[tid] = g[t0 + tid, hv] if tid < m else float32(0.0)
             bs[tid] = beta[t0 + tid, hv] if tid < m else float32(0.0)
@@ -130,7 +79,6 @@ def _make_prep_rows(r):
             step *= 2
         if tid < CHUNK:
             eg[tid] = math.exp(gs[tid])
-            ek[tid] = math.exp(gs[CHUNK - 1] - gs[tid])
             gam[hv, c, tid] = gs[tid]
         cuda.syncthreads()
         f0 = float32(0.0)
@@ -147,10 +95,10 @@ def _make_prep_rows(r):
                 q1 = q[t0 + i1, hk, d] if i1 < m else f0
                 q2 = q[t0 + i2, hk, d] if i2 < m else f0
                 q3 = q[t0 + i3, hk, d] if i3 < m else f0
-                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i, d, k0, q0)
-                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i1, d, k1, q1)
-                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i2, d, k2, q2)
-                key_row(q, k, qk, rhs, kt, qg, bs, eg, ek, hv, hk, c, t0, m, dv, i3, d, k3, q3)
+                key_row(qk, rhs, bs, eg, hv, hk, c, dv, i, d, k0, q0)
+                key_row(qk, rhs, bs, eg, hv, hk, c, dv, i1, d, k1, q1)
+                key_row(qk, rhs, bs, eg, hv, hk, c, dv, i2, d, k2, q2)
+                key_row(qk, rhs, bs, eg, hv, hk, c, dv, i3, d, k3, q3)
                 i += 4 * rs
         rs = nt // dv
         if tid < rs * dv:
@@ -255,214 +203,202 @@ def _make_solve(control, r):
 
 
 @jit(device=True, forceinline=True)
-def _pair(a0, a1, a2, a3, b, k, k1, n0, row, c):
-    """Two 16 x 8 tiles side by side (columns n0 and n0 + 8 of the shared B, rows k and k1) on one A
-    fragment."""
-    d0, d1, d2, d3 = mma_tf32(a0, a1, a2, a3, b[k, n0 + row], b[k1, n0 + row], c[0], c[1], c[2], c[3])
-    d4, d5, d6, d7 = mma_tf32(a0, a1, a2, a3, b[k, n0 + 8 + row], b[k1, n0 + 8 + row], c[4], c[5], c[6], c[7])
-    return d0, d1, d2, d3, d4, d5, d6, d7
+def _tile(sh, a, a8, a4, ak, b, b4, bk, steps, c0, c1, c2, c3):
+    """C + A B for one m16n8 tile, A and B read from the flat shared array `sh` (mma.py's TF32 fragment
+    layout): the lane's a0 at offset a (a1 eight rows on at a + a8, a2 four k on at a + a4), its b0 at b
+    (b1 four k on at b + b4); each of the `steps` k steps of 8 moves a by ak and b by bk."""
+    for _ in range(steps):
+        c0, c1, c2, c3 = mma_tf32(sh[a], sh[a + a8], sh[a + a4], sh[a + a8 + a4], sh[b], sh[b + b4],
+                                  c0, c1, c2, c3)
+        a += ak
+        b += bk
+    return c0, c1, c2, c3
 
 
-@jit(device=True, forceinline=True)
-def _fetch(src, cr, ra, lim, ld, off, k, kmax, transposed):
-    """The A fragment of one k step (mma.py's TF32 layout, k slots 2 quad and 2 quad + 1) at the lane's rows
-    ra and ra + 8 of a chunk whose first row is flat row cr of `src` (row length ld): A[r, k] =
-    src[(cr + r) ld + off + k], or src[(cr + k) ld + r] when `transposed`; zero at rows >= lim and k >= kmax
-    (the reads clamped inside the chunk)."""
-    ca, cb = min(ra, lim - 1), min(ra + 8, lim - 1)
-    kc, kd = min(k, kmax - 1), min(k + 1, kmax - 1)
-    if transposed:
-        a0, a1 = src[(cr + kc) * ld + ca], src[(cr + kc) * ld + cb]
-        a2, a3 = src[(cr + kd) * ld + ca], src[(cr + kd) * ld + cb]
-    else:
-        a0, a1 = src[(cr + ca) * ld + off + kc], src[(cr + cb) * ld + off + kc]
-        a2, a3 = src[(cr + ca) * ld + off + kd], src[(cr + cb) * ld + off + kd]
-    f0 = float32(0.0)
-    return (a0 if ra < lim and k < kmax else f0, a1 if ra + 8 < lim and k < kmax else f0,
-            a2 if ra < lim and k + 1 < kmax else f0, a3 if ra + 8 < lim and k + 1 < kmax else f0)
+def walk_layout(cols, dk):
+    """The walk's flat shared arrays: {name: (offset, row stride)} and the float count. Rows are padded to
+    whole 16-row tiles (zeros), and each row stride is chosen for conflict-free fragment reads: 4 mod 32
+    for A read along rows (W, Q, P), 8 mod 32 for A read down columns (K) and for every B operand."""
+    cp, kp = -(-CHUNK // 16) * 16, -(-dk // 16) * 16
+    rows = {"w": (cp, kp + 4), "q": (cp, kp + 4), "k": (cp, kp + 8), "p": (cp, cp + 4), "u": (cp, cols + 8),
+            "d": (cp, cols + 8), "e": (cp, cols + 8), "o": (cp, cols + 8), "s": (kp, cols + 8), "g": (2, cp)}
+    out, at = {}, 0
+    for name, (n, stride) in rows.items():
+        out[name] = (at, stride)
+        at += n * stride
+    return out, at
 
 
-@jit(device=True, forceinline=True)
-def _frag(src, at, ks, rs):
-    """An exact fragment from its first element's flat offset: a0 at `at`, a1 a row tile (8 rows, rs) on,
-    a2 and a3 the next k (ks) on."""
-    return src[at], src[at + rs], src[at + ks], src[at + rs + ks]
-
-
-@jit(device=True, forceinline=True)
-def _times(src, cr, ra, lim, ld, off, b, kmax, n0, quad, row, steps, acc, transposed, exact):
-    """acc + A B for the 16 x 16 item at the lane's rows ra, ra + 8 and shared columns n0: A as _fetch
-    reads it, B = b[k, n0:n0 + 16]. `exact` (the chunk's and the state's rows whole tiles, a constant where
-    this is inlined): unsigned offsets, no clamps, and eight k steps at a time, their 32 global loads out
-    together before their 16 mma. Otherwise (the simulator's small shapes) step by step, clamped."""
-    if not exact:
-        for g in range(steps):
-            kk = 8 * g + 2 * quad
-            x = _fetch(src, cr, ra, lim, ld, off, kk, kmax, transposed)
-            acc = _pair(x[0], x[1], x[2], x[3], b, min(kk, kmax - 1), min(kk + 1, kmax - 1), n0, row, acc)
-        return acc
-    uq, un0, urow = uint64(2 * quad), uint64(n0), uint64(row)
-    if transposed:
-        at, ks, rs = (uint64(cr) + uq) * uint64(ld) + uint64(ra), uint64(ld), uint64(8)
-    else:
-        at, ks, rs = (uint64(cr) + uint64(ra)) * uint64(ld) + uint64(off) + uq, uint64(1), uint64(8 * ld)
-    if steps % 8:
-        for g in range(steps):
-            x = _frag(src, at + uint64(8 * g) * ks, ks, rs)
-            kk = uint64(8 * g) + uq
-            acc = _pair(x[0], x[1], x[2], x[3], b, kk, kk + uint64(1), un0, urow, acc)
-        return acc
-    for g in range(0, steps, 8):
-        x0 = _frag(src, at, ks, rs)
-        x1 = _frag(src, at + uint64(8) * ks, ks, rs)
-        x2 = _frag(src, at + uint64(16) * ks, ks, rs)
-        x3 = _frag(src, at + uint64(24) * ks, ks, rs)
-        x4 = _frag(src, at + uint64(32) * ks, ks, rs)
-        x5 = _frag(src, at + uint64(40) * ks, ks, rs)
-        x6 = _frag(src, at + uint64(48) * ks, ks, rs)
-        x7 = _frag(src, at + uint64(56) * ks, ks, rs)
-        at += uint64(64) * ks
-        kk = uint64(8 * g) + uq        # written out: a loop over the tuples would select among them at run time
-        acc = _pair(x0[0], x0[1], x0[2], x0[3], b, kk, kk + uint64(1), un0, urow, acc)
-        acc = _pair(x1[0], x1[1], x1[2], x1[3], b, kk + uint64(8), kk + uint64(9), un0, urow, acc)
-        acc = _pair(x2[0], x2[1], x2[2], x2[3], b, kk + uint64(16), kk + uint64(17), un0, urow, acc)
-        acc = _pair(x3[0], x3[1], x3[2], x3[3], b, kk + uint64(24), kk + uint64(25), un0, urow, acc)
-        acc = _pair(x4[0], x4[1], x4[2], x4[3], b, kk + uint64(32), kk + uint64(33), un0, urow, acc)
-        acc = _pair(x5[0], x5[1], x5[2], x5[3], b, kk + uint64(40), kk + uint64(41), un0, urow, acc)
-        acc = _pair(x6[0], x6[1], x6[2], x6[3], b, kk + uint64(48), kk + uint64(49), un0, urow, acc)
-        acc = _pair(x7[0], x7[1], x7[2], x7[3], b, kk + uint64(56), kk + uint64(57), un0, urow, acc)
-    return acc
-
-
-def _make_walk(control, cols, threads, dk, prefetch=False, parts=3):
+def _make_walk(control, cols, threads, dk):
     """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
-    dk. Each chunk: (1) W S and e^G Q S on tensor cores, D = U - W S and e^G Q S into shared memory;
-    (2) O = e^G Q S + P D to the output, and S <- e^(G_n) S + K~^T D. A warp takes one 16 x 16 item (two
-    mma tiles on one A fragment) at a time (_times); warps past the last item compute it and write
-    nothing, so every warp issues the same mma count (the simulator's statement of the instruction
-    synchronises the block). The k index of each 8-wide step is laid out as 2 quad, 2 quad + 1 in both
-    operands (mma.py): a lane's A loads are neighbours in memory. uw, qg, kt and p come flat (1-D views).
-    prefetch (whole tiles and dk % 32 == 0 only): at each chunk's start the block asks L2 for the next
-    chunk's lines, its share of W, e^G Q, K~ and P (the column blocks of a head split them) and its own
-    columns of U. control: the output without the entry state's read e^G Q S. parts (timing probes only):
-    1 runs step (1) alone, 2 step (2) alone, 3 both."""
-    srow = cols + 4
-    warps = threads // 32
-    ct = (CHUNK + 15) // 16              # row tiles of a chunk
-    dt = (dk + 15) // 16                 # row tiles of the state
-    npair = cols // 16                   # 16-column items of the block
-    ksteps, csteps = dk // 8, (CHUNK + 7) // 8
-    exact = CHUNK % 16 == 0 and dk % 16 == 0
-    fetch_next = prefetch and exact and dk % 32 == 0
-    per_row = dk // 32                   # 128-byte lines in a row of W, e^G Q or K~
-    w_lines, q_lines, p_lines = CHUNK * per_row, CHUNK * per_row, CHUNK * CHUNK // 32
-    all_lines = w_lines + 2 * q_lines + p_lines
+    dk, everything it multiplies staged in shared memory (walk_layout). Each chunk:
+      (1) D = U - W S, E = e^(G_n - G) D and O = e^G (Q S);
+      (2) O + P D to the output, S <- e^(G_n) S + K^T E.
+    Each warp takes m16n8 tiles in turn (_tile; warps past the last tile compute one and store nothing,
+    so every warp issues the same mma count: the simulator's statement of the instruction synchronises
+    the block). The global loads are coalesced rows, issued a step ahead into registers and stored to
+    shared memory after the step: K and P of chunk c during step (1) of chunk c, W, Q and U of chunk c + 1
+    during step (2) (a barrier after the issue keeps the compiler from sinking the loads into the step).
+    q and k come straight from the op's inputs, scaled by e^G in the products' epilogues.
+    control: the output without the entry state's read e^G Q S."""
+    lay, _ = walk_layout(cols, dk)
+    cp, kp = -(-CHUNK // 16) * 16, -(-dk // 16) * 16
+    warps, ntl = threads // 32, cols // 8                 # n tiles of 8 columns
+    items1, items2 = 2 * (cp // 16) * ntl, (cp // 16 + kp // 16) * ntl
+    rounds1, rounds2 = -(-items1 // warps), -(-items2 // warps)
+    per_k, per_p, per_u = -(-CHUNK * dk // threads), -(-CHUNK * CHUNK // threads), -(-CHUNK * cols // threads)
+    (ow, aw), (oq, _), (ok, ak), (op, ap) = lay["w"], lay["q"], lay["k"], lay["p"]
+    (ou, bs), (od, _), (oe, _), (oo, _), (os, _), (og, _) = (lay[x] for x in "udeosg")
+    u = uint64
 
     @jit(device=True, forceinline=True)
-    def first(o, d, uw, cr, wide, col0, dv, on_q, i, j, x):
-        """One value of a step (1) item: e^G Q S into o, or D = U - W S into d (zero past dv)."""
-        if i < CHUNK:
-            if on_q:
-                o[i, j] = float32(0.0) if control else x
-            elif col0 + j < dv:
-                d[i, j] = uw[(cr + i) * wide + col0 + j] - x
-            else:
-                d[i, j] = float32(0.0)
+    def load_wqu(uw, q, cr, t0, n, hk, wide, dv, col0, tid, rw, rq, ru):
+        for j in range(per_k):
+            e = tid + j * threads
+            i, d = e // dk, e % dk
+            live = e < CHUNK * dk and t0 + i < n
+            rw[j] = uw[(cr + min(i, CHUNK - 1)) * wide + dv + d]
+            rq[j] = q[min(t0 + i, n - 1), hk, d] if live else float32(0.0)
+        for j in range(per_u):
+            e = tid + j * threads
+            i, x = e // cols, e % cols
+            ru[j] = uw[(cr + min(i, CHUNK - 1)) * wide + min(col0 + x, dv - 1)] \
+                if e < CHUNK * cols and col0 + x < dv else float32(0.0)
 
     @jit(device=True, forceinline=True)
-    def second(s, out, on_s, lim, t0, hv, col0, i, j, x):
-        """One value of a step (2) item: the new state, or the output (rows and columns inside it)."""
-        if i < lim:
-            if on_s:
-                s[i, j] = x
-            elif t0 + i < out.shape[0] and col0 + j < out.shape[2]:
-                out[t0 + i, hv, col0 + j] = x
+    def store_wqu(sh, tid, rw, rq, ru):
+        for j in range(per_k):
+            e = tid + j * threads
+            if e < CHUNK * dk:
+                i, d = u(e // dk), u(e % dk)
+                sh[u(ow) + i * u(aw) + d] = rw[j]
+                sh[u(oq) + i * u(aw) + d] = rq[j]
+        for j in range(per_u):
+            e = tid + j * threads
+            if e < CHUNK * cols:
+                sh[u(ou) + u(e // cols) * u(bs) + u(e % cols)] = ru[j]
 
-    @jit
-    def walk(uw, qg, kt, p, gam, out):
-        hv, col0 = cuda.blockIdx.x, cuda.blockIdx.y * cols
-        tid = cuda.threadIdx.x
+    @jit(device=True, forceinline=True)
+    def load_kp(p, k, pr, t0, n, hk, tid, rk, rp):
+        for j in range(per_k):
+            e = tid + j * threads
+            i, d = e // dk, e % dk
+            rk[j] = k[min(t0 + i, n - 1), hk, d] if e < CHUNK * dk and t0 + i < n else float32(0.0)
+        for j in range(per_p):
+            e = tid + j * threads
+            rp[j] = p[pr + min(e, CHUNK * CHUNK - 1)]
+
+    @jit(device=True, forceinline=True)
+    def store_kp(sh, tid, rk, rp):
+        for j in range(per_k):
+            e = tid + j * threads
+            if e < CHUNK * dk:
+                sh[u(ok) + u(e // dk) * u(ak) + u(e % dk)] = rk[j]
+        for j in range(per_p):
+            e = tid + j * threads
+            if e < CHUNK * CHUNK:
+                sh[u(op) + u(e // CHUNK) * u(ap) + u(e % CHUNK)] = rp[j]
+
+    @jit(device=True, forceinline=True)
+    def first(sh, on_q, i, j, x):
+        """One value of step (1): e^G (Q S) into O, or D = U - W S into D and e^(G_n - G) D into E."""
+        at = u(i) * u(bs) + u(j)
+        if on_q:
+            sh[u(oo) + at] = float32(0.0) if control else sh[u(og) + u(i)] * x
+        else:
+            dd = sh[u(ou) + at] - x
+            sh[u(od) + at] = dd
+            sh[u(oe) + at] = sh[u(og + cp) + u(i)] * dd
+
+    @jit(device=True, forceinline=True)
+    def second(sh, out, on_s, t0, hv, col0, i, j, x):
+        """One value of step (2): the new state, or the output (inside it)."""
+        if on_s:
+            sh[u(os) + u(i) * u(bs) + u(j)] = x
+        elif i < CHUNK and t0 + i < out.shape[0] and col0 + j < out.shape[2]:
+            out[t0 + i, hv, col0 + j] = x
+
+    @jit(launch_bounds=(threads, 1))
+    def walk(uw, p, q, k, gam, out):
+        hv, col0, tid = cuda.blockIdx.x, cuda.blockIdx.y * cols, cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         row, quad = lane // 4, lane % 4
         n, dv, slots = out.shape[0], out.shape[2], gam.shape[1]
+        hk = hv // (out.shape[1] // q.shape[1])
         wide = dv + dk
         chunks = (n + CHUNK - 1) // CHUNK
-        s = cuda.shared.array((DK_MAX, srow), float32)
-        d = cuda.shared.array((CHUNK, srow), float32)
-        o = cuda.shared.array((CHUNK, srow), float32)
-        for idx in range(tid, DK_MAX * srow, threads):
-            s[idx // srow, idx % srow] = float32(0.0)
+        sh = cuda.shared.array(0, float32)
+        total = u(og + 2 * cp)
+        for idx in range(u(tid), total, u(threads)):
+            sh[idx] = float32(0.0)
+        rw = cuda.local.array(per_k, float32)
+        rq = cuda.local.array(per_k, float32)
+        ru = cuda.local.array(per_u, float32)
+        rk = cuda.local.array(per_k, float32)
+        rp = cuda.local.array(per_p, float32)
         cuda.syncthreads()
-        f0 = float32(0.0)
-        zero = (f0, f0, f0, f0, f0, f0, f0, f0)
+        load_wqu(uw, q, hv * slots * CHUNK, 0, n, hk, wide, dv, col0, tid, rw, rq, ru)
+        store_wqu(sh, tid, rw, rq, ru)
         for c in range(chunks):
-            cr = (hv * slots + c) * CHUNK            # the chunk's first row in the flat work arrays
-            if fetch_next and c + 1 < chunks:
-                nr = uint64(cr + CHUNK)
-                for ln in range(cuda.blockIdx.y * threads + tid, all_lines, cuda.gridDim.y * threads):
-                    if ln < w_lines:
-                        prefetch_l2(uw, (nr + uint64(ln // per_row)) * uint64(wide) + uint64(dv + 32 * (ln % per_row)))
-                    elif ln < w_lines + q_lines:
-                        prefetch_l2(qg, nr * uint64(dk) + uint64(32 * (ln - w_lines)))
-                    elif ln < w_lines + 2 * q_lines:
-                        prefetch_l2(kt, nr * uint64(dk) + uint64(32 * (ln - w_lines - q_lines)))
-                    else:
-                        prefetch_l2(p, nr * uint64(CHUNK) + uint64(32 * (ln - w_lines - 2 * q_lines)))
-                for r in range(tid, CHUNK, threads):
-                    prefetch_l2(uw, (nr + uint64(r)) * uint64(wide) + uint64(col0))
-            # (1) D = U - W S (items below ct * npair), e^G Q S (the rest)
-            for it in range((2 * ct * npair + warps - 1) // warps if parts & 1 else 0):
-                item = min(warp + it * warps, 2 * ct * npair - 1)
-                live = warp + it * warps < 2 * ct * npair
-                on_q = item >= ct * npair
-                part = item - ct * npair if on_q else item
-                r0, n0 = 16 * (part // npair), 16 * (part % npair)
-                ra = r0 + row
-                if on_q:
-                    acc = _times(qg, cr, ra, CHUNK, dk, 0, s, dk, n0, quad, row, ksteps, zero, False, exact)
-                else:
-                    acc = _times(uw, cr, ra, CHUNK, wide, dv, s, dk, n0, quad, row, ksteps, zero, False, exact)
-                if live:                # the item's eight values, written out (acc[e] in a loop would select)
-                    j0 = n0 + 2 * quad
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0, acc[0])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 1, acc[1])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0, acc[2])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 1, acc[3])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 8, acc[4])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra, j0 + 9, acc[5])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 8, acc[6])
-                    first(o, d, uw, cr, wide, col0, dv, on_q, ra + 8, j0 + 9, acc[7])
+            t0 = c * CHUNK
+            cr = (hv * slots + c) * CHUNK                 # the chunk's first row in the flat work arrays
+            if tid < CHUNK:
+                gv = gam[hv, c, tid]
+                sh[u(og) + u(tid)] = math.exp(gv)
+                sh[u(og + cp) + u(tid)] = math.exp(gam[hv, c, CHUNK - 1] - gv)
+            load_kp(p, k, cr * CHUNK, t0, n, hk, tid, rk, rp)
             cuda.syncthreads()
-            # (2) O = e^G Q S + P D to the output (items below ct * npair), S <- e^(G_n) S + K~^T D (the rest)
+            # (1) D = U - W S (tiles below items1 / 2), e^G (Q S) (the rest)
+            for it in range(rounds1):
+                item = min(warp + it * warps, items1 - 1)
+                on_q = item >= items1 // 2
+                part = item - items1 // 2 if on_q else item
+                r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
+                a = u(oq if on_q else ow) + u(r0 + row) * u(aw) + u(quad)
+                b = u(os) + u(quad) * u(bs) + u(n0 + row)
+                f0 = float32(0.0)
+                c0, c1, c2, c3 = _tile(sh, a, u(8 * aw), u(4), u(8), b, u(4 * bs), u(8 * bs), kp // 8,
+                                       f0, f0, f0, f0)
+                if warp + it * warps < items1:
+                    i, j = r0 + row, n0 + 2 * quad
+                    first(sh, on_q, i, j, c0)
+                    first(sh, on_q, i, j + 1, c1)
+                    first(sh, on_q, i + 8, j, c2)
+                    first(sh, on_q, i + 8, j + 1, c3)
+            store_kp(sh, tid, rk, rp)
+            cuda.syncthreads()
+            if c + 1 < chunks:
+                load_wqu(uw, q, cr + CHUNK, t0 + CHUNK, n, hk, wide, dv, col0, tid, rw, rq, ru)
             decay = math.exp(gam[hv, c, CHUNK - 1])
-            for it in range(((ct + dt) * npair + warps - 1) // warps if parts & 2 else 0):
-                item = min(warp + it * warps, (ct + dt) * npair - 1)
-                live = warp + it * warps < (ct + dt) * npair
-                on_s = item >= ct * npair
-                part = item - ct * npair if on_s else item
-                r0, n0 = 16 * (part // npair), 16 * (part % npair)
-                ra = r0 + row
-                lim = dk if on_s else CHUNK
-                ca, cb = min(ra, lim - 1), min(ra + 8, lim - 1)
-                j0 = n0 + 2 * quad
+            cuda.syncthreads()
+            # (2) O + P D to the output (tiles below cp / 16 ntl), S <- e^(G_n) S + K^T E (the rest)
+            for it in range(rounds2):
+                item = min(warp + it * warps, items2 - 1)
+                on_s = item >= (cp // 16) * ntl
+                part = item - (cp // 16) * ntl if on_s else item
+                r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
+                i, j = r0 + row, n0 + 2 * quad
                 if on_s:
-                    acc = (decay * s[ca, j0], decay * s[ca, j0 + 1], decay * s[cb, j0], decay * s[cb, j0 + 1],
-                           decay * s[ca, j0 + 8], decay * s[ca, j0 + 9], decay * s[cb, j0 + 8], decay * s[cb, j0 + 9])
-                    acc = _times(kt, cr, ra, dk, dk, 0, d, CHUNK, n0, quad, row, csteps, acc, True, exact)
+                    at = u(os) + u(i) * u(bs) + u(j)
+                    c0, c1 = decay * sh[at], decay * sh[at + u(1)]
+                    c2, c3 = decay * sh[at + u(8 * bs)], decay * sh[at + u(8 * bs + 1)]
+                    a = u(ok) + u(quad) * u(ak) + u(r0 + row)
+                    c0, c1, c2, c3 = _tile(sh, a, u(8), u(4 * ak), u(8 * ak), u(oe) + u(quad) * u(bs) + u(n0 + row),
+                                           u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
                 else:
-                    acc = (o[ca, j0], o[ca, j0 + 1], o[cb, j0], o[cb, j0 + 1],
-                           o[ca, j0 + 8], o[ca, j0 + 9], o[cb, j0 + 8], o[cb, j0 + 9])
-                    acc = _times(p, cr, ra, CHUNK, CHUNK, 0, d, CHUNK, n0, quad, row, csteps, acc, False, exact)
-                if live:
-                    t0 = c * CHUNK
-                    second(s, out, on_s, lim, t0, hv, col0, ra, j0, acc[0])
-                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 1, acc[1])
-                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0, acc[2])
-                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 1, acc[3])
-                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 8, acc[4])
-                    second(s, out, on_s, lim, t0, hv, col0, ra, j0 + 9, acc[5])
-                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 8, acc[6])
-                    second(s, out, on_s, lim, t0, hv, col0, ra + 8, j0 + 9, acc[7])
+                    at = u(oo) + u(i) * u(bs) + u(j)
+                    c0, c1 = sh[at], sh[at + u(1)]
+                    c2, c3 = sh[at + u(8 * bs)], sh[at + u(8 * bs + 1)]
+                    a = u(op) + u(r0 + row) * u(ap) + u(quad)
+                    c0, c1, c2, c3 = _tile(sh, a, u(8 * ap), u(4), u(8), u(od) + u(quad) * u(bs) + u(n0 + row),
+                                           u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
+                if warp + it * warps < items2:
+                    second(sh, out, on_s, t0, hv, col0, i, j, c0)
+                    second(sh, out, on_s, t0, hv, col0, i, j + 1, c1)
+                    second(sh, out, on_s, t0, hv, col0, i + 8, j, c2)
+                    second(sh, out, on_s, t0, hv, col0, i + 8, j + 1, c3)
+            if c + 1 < chunks:
+                store_wqu(sh, tid, rw, rq, ru)
             cuda.syncthreads()
     return walk
 
@@ -519,7 +455,7 @@ def workspace_shapes(n, n_hk, n_hv, dk, dv):
     slots = -(-n // CHUNK) + 1
     return {"qk": (n_hk, slots, 2 * CHUNK, dk), "gram": (n_hk, slots, 2 * CHUNK, CHUNK),
             "rhs": (n_hv, slots, CHUNK, dv + dk), "uw": (n_hv, slots, CHUNK, dv + dk),
-            "kt": (n_hv, slots, CHUNK, dk), "qg": (n_hv, slots, CHUNK, dk), "gam": (n_hv, slots, CHUNK),
+            "gam": (n_hv, slots, CHUNK),
             "t": (n_hv, slots, CHUNK, CHUNK), "p": (n_hv, slots, CHUNK, CHUNK)}
 
 
@@ -529,29 +465,26 @@ STAGES = ("prep", "gram", "solve", "uw", "walk")
 def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None, walk=None, stages=STAGES):
     """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes. The
     products on tensor cores from TF32 inputs (float32 accumulation). walk: (columns, threads) of the
-    serial pass (default WALK), or (columns, threads, True) to prefetch each next chunk into L2.
-    control: "decay" (P without its decay factors) or "state" (the output without the entry state's read
-    e^G Q S). stages: run only these of STAGES (to time them one by one)."""
+    serial pass (default WALK). control: "decay" (P without its decay factors) or "state" (the output
+    without the entry state's read e^G Q S). stages: run only these of STAGES (to time them one by one)."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
-    cols, threads, *rest = walk or WALK
-    prefetch = bool(rest and rest[0])
-    if dk % 8 or dk > DK_MAX or cols % 16 or threads % 32:
+    cols, threads = walk or WALK
+    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS:
         raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, walk {walk} "
-                         "needs columns in sixteens and whole warps")
+                         "needs columns in eights and whole warps")
     r = n_hv // n_hk
     slots = -(-n // CHUNK) + 1
     w = work
     if r not in _prep:
         _prep[r] = _make_prep(r)
-    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk, prefetch)
+    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk)
     if solve_key not in _solve:
         _solve[solve_key] = _make_solve(*solve_key)
     if walk_key not in _walk:
         _walk[walk_key] = _make_walk(*walk_key)
     if "prep" in stages:
-        _prep[r][(n_hv, slots, -(-CHUNK // SPAN)), min(dk, THREADS), stream](q, k, v, g, beta, w["qk"], w["rhs"],
-                                                                         w["kt"], w["qg"], w["gam"])
+        _prep[r][(n_hv, slots), THREADS, stream](q, k, v, g, beta, w["qk"], w["rhs"], w["gam"])
 
     def product(*args, **kw):
         _product(*args, tf32=True, stream=stream, **kw)
@@ -564,8 +497,10 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     if "uw" in stages:             # [U | W] = T [beta V | beta e^G K]
         product(C, wide, C, w["t"], 0, C, C * C, w["rhs"], 0, wide, C * wide, w["uw"], 0, wide, C * wide, batch)
     if "walk" in stages:
-        flat = [w[name].reshape(w[name].size) for name in ("uw", "qg", "kt", "p")]
-        _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream](*flat, w["gam"], out)
+        args = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q, k, w["gam"], out)
+        nbytes = 4 * walk_layout(cols, dk)[1]
+        allow_shared(_walk[walk_key], args, nbytes)
+        _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream, nbytes](*args)
 
 
 def _run(inp, control, kind="decay"):

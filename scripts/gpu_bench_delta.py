@@ -19,8 +19,8 @@ from moss_cli.ops.cuda_table import CudaOps, capture
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
-# the chunked form's serial pass: (state columns, threads) per block, and True to prefetch the next chunk into L2
-WALKS = [(16, 128), (16, 256), (16, 256, True), (32, 512), (32, 512, True)]
+# the chunked form's serial pass: (state columns, threads) per block
+WALKS = [(16, 256), (32, 256), (32, 512)]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
 GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
 

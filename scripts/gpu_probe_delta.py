@@ -2,8 +2,9 @@
 smaller grids (fewer blocks doing the same per-block work), captured as a CUDA graph and replayed. A stage
 whose time stays when its grid shrinks waits on latency inside a block; one whose time falls with the grid
 is bound by a shared resource (memory or L2 bandwidth). Timings only: shrunken grids compute wrong values.
+"empty_graph_node" is a one-block walk over zero tokens: the replay's own cost, in every other number.
 
-    python scripts/gpu_probe_delta.py --out probe.json
+    python scripts/gpu_probe_delta.py --out probe.json [--n 112]
 """
 
 import argparse
@@ -13,6 +14,7 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import gdn_chunk as gc
+from cuda_kernels.core import allow_shared
 from moss_cli.ops.cuda_table import CudaOps, capture
 
 from gpu_bench_delta import HK, HV, DK, DV, graph_ms, inputs
@@ -36,48 +38,27 @@ def main():
     slots = -(-n // gc.CHUNK) + 1
     prep = gc._prep[r]
     solve = gc._solve[(False, r)]
-    cols, threads = gc.WALK[:2]
-    walk = gc._walk[(False, cols, threads, DK, False)]
-    walk1 = gc._make_walk(False, cols, threads, DK, False, 1)
-    walk2 = gc._make_walk(False, cols, threads, DK, False, 2)
-    flat = [w[name].reshape(w[name].size) for name in ("uw", "qg", "kt", "p")]
-    spans = -(-gc.CHUNK // gc.SPAN)
-    prep_rows = gc._make_prep_rows(r)
-    w2 = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
-    prep_rows[(HV, slots), 256](q, k, v, g, beta, w2["qk"], w2["rhs"], w2["kt"], w2["qg"], w2["gam"])
-    cuda.synchronize()
-    result = {"n": n}
-    for name in ("qk", "rhs", "kt", "qg", "gam"):       # prep_rows against prep, valid chunk slots only
-        a, b = w[name].copy_to_host()[:, :slots - 1], w2[name].copy_to_host()[:, :slots - 1]
-        result[f"prep_rows_{name}_maxdiff"] = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
-    print(result, flush=True)
+    cols, threads = gc.WALK
+    walk = gc._walk[(False, cols, threads, DK)]
+    wargs = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q, k, w["gam"], out)
+    nbytes = 4 * gc.walk_layout(cols, DK)[1]
+    allow_shared(walk, wargs, nbytes)
+    empty = wargs[:5] + (out[:0],)
 
     def timed(launch):
         graph, stream, _ = capture(ops, lambda: launch(ops.stream))
         return graph_ms(graph, stream, 20)
 
     runs = {
-        "prep_full": lambda s: prep[(HV, slots, spans), min(DK, gc.THREADS), s](q, k, v, g, beta, w["qk"], w["rhs"],
-                                                                              w["kt"], w["qg"], w["gam"]),
-        "prep_1head": lambda s: prep[(1, slots, spans), min(DK, gc.THREADS), s](q, k, v, g, beta, w["qk"], w["rhs"],
-                                                                              w["kt"], w["qg"], w["gam"]),
-        "prep_1block": lambda s: prep[(1, 1, 1), min(DK, gc.THREADS), s](q, k, v, g, beta, w["qk"], w["rhs"],
-                                                                        w["kt"], w["qg"], w["gam"]),
-        "prep_rows_full": lambda s: prep_rows[(HV, slots), 256, s](q, k, v, g, beta, w2["qk"], w2["rhs"],
-                                                                  w2["kt"], w2["qg"], w2["gam"]),
+        "prep_full": lambda s: prep[(HV, slots), gc.THREADS, s](q, k, v, g, beta, w["qk"], w["rhs"], w["gam"]),
+        "prep_1block": lambda s: prep[(1, 1), gc.THREADS, s](q, k, v, g, beta, w["qk"], w["rhs"], w["gam"]),
         "solve_full": lambda s: solve[(HV, slots), gc.CHUNK * gc.PARTS, s](w["gram"], w["gam"], beta, w["t"], w["p"]),
-        "solve_1head": lambda s: solve[(1, slots), gc.CHUNK * gc.PARTS, s](w["gram"], w["gam"], beta, w["t"], w["p"]),
         "solve_1block": lambda s: solve[(1, 1), gc.CHUNK * gc.PARTS, s](w["gram"], w["gam"], beta, w["t"], w["p"]),
-        "walk_full": lambda s: walk[(HV, -(-DV // cols)), threads, s](*flat, w["gam"], out),
-        "walk_1colblock": lambda s: walk[(HV, 1), threads, s](*flat, w["gam"], out),
-        "walk_4heads": lambda s: walk[(4, -(-DV // cols)), threads, s](*flat, w["gam"], out),
-        "walk_1block": lambda s: walk[(1, 1), threads, s](*flat, w["gam"], out),
-        "walk_step1_only": lambda s: walk1[(HV, -(-DV // cols)), threads, s](*flat, w["gam"], out),
-        "walk_step2_only": lambda s: walk2[(HV, -(-DV // cols)), threads, s](*flat, w["gam"], out),
-        "walk_step1_only_1block": lambda s: walk1[(1, 1), threads, s](*flat, w["gam"], out),
-        "walk_step2_only_1block": lambda s: walk2[(1, 1), threads, s](*flat, w["gam"], out),
-        "empty_graph_node": lambda s: walk[(1, 1), threads, s](*flat, w["gam"], out[:0]),
+        "walk_full": lambda s: walk[(HV, -(-DV // cols)), threads, s, nbytes](*wargs),
+        "walk_1block": lambda s: walk[(1, 1), threads, s, nbytes](*wargs),
+        "empty_graph_node": lambda s: walk[(1, 1), threads, s, nbytes](*empty),
     }
+    result = {"n": n, "walk": list(gc.WALK)}
     for name, launch in runs.items():
         try:
             result[name + "_ms"] = timed(launch)

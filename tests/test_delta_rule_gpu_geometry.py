@@ -3,8 +3,7 @@ run in the numba CUDA simulator against the float64 recurrence: the recurrence w
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
 with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 16-column, 128-thread blocks
-with its L2 prefetch of the next chunk (dk = 32: the prefetch needs whole 128-byte rows; the simulator's
-prefetch checks each line it names lies inside its array; 70 tokens: a part chunk). In the
+(dk = 32; 70 tokens: a part chunk). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
@@ -45,7 +44,7 @@ print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 
 CHUNKED = INPUTS.format(n=70, dk=32) + """
 from cuda_kernels import gdn_chunk as gc
-gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, (16, 128, True), 32
+gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, (16, 128), 32
 gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
 gc.AREA = gc.CHUNK * gc.ROW
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
