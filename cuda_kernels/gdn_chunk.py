@@ -24,10 +24,9 @@ from .mma import mma_tf32
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
 AREA = CHUNK * ROW
-PARTS = 4                                # threads per column of T in the triangular solve
+PARTS = 4                                # the triangular solve's threads: PARTS x CHUNK
 THREADS = 32 if SIMULATED else 256       # prep (at least CHUNK and the key dim)
-REDUCE = CHUNK * PARTS                   # the solve's threads (its simulator reduction slots)
-SUB = 2 if SIMULATED else 16             # rows of T solved serially at a time
+SUB = 2 if SIMULATED else 16             # rows of the triangular solve's diagonal blocks
 # The walk: (state columns per block, a multiple of 8; threads per block, whole warps). One block per
 # SM at the GPU default (its staged operands take ~180 KB of shared memory at dk = 128): 32 value heads x
 # 4 column blocks fill the H200's 132 SMs once.
@@ -121,25 +120,13 @@ def _make_prep(r):
 
 
 def _make_solve(control, r):
-    """T = (I + A)^-1 by blocked forward substitution, and the decayed P (control: P without its decay
-    factors). Rows go in blocks of SUB: the rows above a block enter as one product all threads share,
-    only the rows inside it are serial, PARTS threads per column of T summing their terms."""
-    @jit(device=True)
-    def parts_sum(red, tid, value):
-        if SIMULATED:               # no shuffles in the simulator: through shared memory
-            red[tid] = value
-            cuda.syncthreads()
-            total = float32(0.0)
-            first = tid - tid % PARTS
-            for p in range(PARTS):
-                total += red[first + p]
-            cuda.syncthreads()
-            return total
-        step = 1
-        while step < PARTS:
-            value += cuda.shfl_xor_sync(0xFFFFFFFF, value, step)
-            step *= 2
-        return value
+    """T = (I + A)^-1 in diagonal blocks of SUB rows, and the decayed P (control: P without its decay
+    factors). Each diagonal block's inverse is a forward substitution, one thread per column of it
+    (nothing shared between threads); then block row by block row, T_ij = -T_ii sum_(j<=l<i) A_il T_lj
+    for every j < i at once, each step one product over all threads."""
+    nb = CHUNK // SUB
+    sq = SUB * SUB
+    u = uint64
 
     @jit
     def solve(gram, gam, beta, t_out, p_out):
@@ -150,9 +137,9 @@ def _make_solve(control, r):
         m = max(0, min(CHUNK, n - t0))
         a = cuda.shared.array(AREA, float32)       # CHUNK rows of ROW floats
         x = cuda.shared.array(AREA, float32)
+        rs = cuda.shared.array(AREA, float32)      # the block row's sums sum_l A_il T_lj
         gs = cuda.shared.array(CHUNK, float32)
         bs = cuda.shared.array(CHUNK, float32)
-        red = cuda.shared.array(REDUCE, float32)
         for i in range(tid, CHUNK, nt):
             gs[i] = gam[hv, c, i]
             bs[i] = beta[t0 + i, hv] if i < m else float32(0.0)
@@ -169,32 +156,36 @@ def _make_solve(control, r):
         for idx in range(tid, CHUNK * CHUNK, nt):
             i, l = idx // CHUNK, idx % CHUNK
             p_out[hv, c, i, l] = x[i * ROW + l]
-            x[i * ROW + l] = float32(1.0) if i == l else float32(0.0)
+            x[i * ROW + l] = float32(0.0)
         cuda.syncthreads()
-        col, part = tid // PARTS, tid % PARTS
-        for r0 in range(0, CHUNK, SUB):
-            # rows r0..r0+SUB-1 less the rows above the block (already final), all threads
-            # (unsigned offsets: no negative-index fix-ups in the inner loop)
-            for idx in range(tid, SUB * CHUNK, nt):
-                i, j = r0 + idx // CHUNK, idx % CHUNK
-                ai, xj = uint64(i * ROW), uint64(j)
-                s = float32(0.0)
-                for l in range(uint64(r0)):
-                    s += a[ai + l] * x[l * uint64(ROW) + xj]
-                x[i * ROW + j] -= s
+        # the diagonal blocks: column j of block b, rows in order (its own column only: no barrier)
+        if tid < CHUNK:
+            base, col = u(tid - tid % SUB), u(tid)
+            for i in range(SUB):
+                ri = base + u(i)
+                s = float32(1.0) if ri == col else float32(0.0)
+                for l in range(col - base, u(i)):
+                    s -= a[ri * u(ROW) + base + u(l)] * x[(base + u(l)) * u(ROW) + col]
+                x[ri * u(ROW) + col] = s
+        cuda.syncthreads()
+        # block rows below: R_ij = sum_(j<=l<i) A_il T_lj, then T_ij = -T_ii R_ij, for all j < i together
+        for bi in range(1, nb):
+            top = u(bi * SUB)
+            for idx in range(tid, bi * sq, nt):
+                j, e = idx // sq, idx % sq
+                rr, cc = u(e // SUB), u(j * SUB + e % SUB)
+                acc = float32(0.0)
+                for l in range(u(j * SUB), top):
+                    acc += a[(top + rr) * u(ROW) + l] * x[l * u(ROW) + cc]
+                rs[rr * u(ROW) + cc] = acc
             cuda.syncthreads()
-            # inside the block: row i less its rows r0..i-1, serial over i
-            for i in range(r0 + 1, r0 + SUB):
-                s = float32(0.0)
-                for l in range(r0 + part, i, PARTS):
-                    s += a[i * ROW + l] * x[l * ROW + col]
-                s = parts_sum(red, tid, s)
-                if part == 0:
-                    x[i * ROW + col] -= s
-                if SIMULATED:
-                    cuda.syncthreads()
-                else:
-                    cuda.syncwarp()     # a column's PARTS threads share one warp
+            for idx in range(tid, bi * sq, nt):
+                j, e = idx // sq, idx % sq
+                rr, cc = u(e // SUB), u(j * SUB + e % SUB)
+                acc = float32(0.0)
+                for mm in range(u(SUB)):
+                    acc -= x[(top + rr) * u(ROW) + top + mm] * rs[mm * u(ROW) + cc]
+                x[(top + rr) * u(ROW) + cc] = acc
             cuda.syncthreads()
         for idx in range(tid, CHUNK * CHUNK, nt):
             i, l = idx // CHUNK, idx % CHUNK

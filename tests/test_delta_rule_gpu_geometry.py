@@ -45,7 +45,7 @@ print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 CHUNKED = INPUTS.format(n=70, dk=32) + """
 from cuda_kernels import gdn_chunk as gc
 gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, (16, 128), 32
-gc.ROW, gc.REDUCE = gc.CHUNK + 1, gc.CHUNK * gc.PARTS
+gc.ROW = gc.CHUNK + 1
 gc.AREA = gc.CHUNK * gc.ROW
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
 expected, bound = gc._ref_chunked(inp)
