@@ -125,7 +125,7 @@ def _make_solve(control, r):
     (nothing shared between threads); then block row by block row, T_ij = -T_ii sum_(j<=l<i) A_il T_lj
     for every j < i at once, each step one product over all threads."""
     nb = CHUNK // SUB
-    sq = SUB * SUB
+    sq, rs_size = SUB * SUB, SUB * ROW
     u = uint64
 
     @jit
@@ -137,7 +137,7 @@ def _make_solve(control, r):
         m = max(0, min(CHUNK, n - t0))
         a = cuda.shared.array(AREA, float32)       # CHUNK rows of ROW floats
         x = cuda.shared.array(AREA, float32)
-        rs = cuda.shared.array(AREA, float32)      # the block row's sums sum_l A_il T_lj
+        rs = cuda.shared.array(rs_size, float32)  # the block row's sums sum_l A_il T_lj
         gs = cuda.shared.array(CHUNK, float32)
         bs = cuda.shared.array(CHUNK, float32)
         for i in range(tid, CHUNK, nt):
