@@ -67,8 +67,15 @@ def _rms(control, bits, team, per):
     def rms_norm(x, w, out, eps, offset):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(per, float32)
+        scale = cuda.local.array(per, float32)
         t, h, lane, live, acc = load_row(x, vals)
         d = x.shape[2]
+        # the weights' loads issued before the sum and the stores (a load written after a store waits
+        # for it: the two may alias)
+        for j in range(per):
+            i = lane + j * team
+            if i < d:
+                scale[j] = w[uint64(i)] if control else offset + w[uint64(i)]
         r = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
         if not live:
             return
@@ -76,8 +83,7 @@ def _rms(control, bits, team, per):
         for j in range(per):
             i = lane + j * team
             if i < d:
-                u = uint64(i)
-                _store(out, t, h, u, vals[j] * r * (w[u] if control else offset + w[u]), bits)
+                _store(out, t, h, uint64(i), vals[j] * r * scale[j], bits)
         for i in range(lane + per * team, d, team):
             u = uint64(i)
             _store(out, t, h, u, x[t, h, u] * r * (w[u] if control else offset + w[u]), bits)
@@ -117,16 +123,21 @@ def _gated(control, bits, team, per):
     def gated_rms_norm(x, z, w, out, eps):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(per, float32)
+        zs = cuda.local.array(per, float32)
+        ws = cuda.local.array(per, float32)
         t, h, lane, live, acc = load_row(x, vals)
         d = x.shape[2]
+        for j in range(per):            # loaded before the sum and the stores (as rms_norm)
+            i = lane + j * team
+            if i < d:
+                zs[j], ws[j] = z[t, h, uint64(i)], w[uint64(i)]
         r = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
         if not live:
             return
         for j in range(per):
             i = lane + j * team
             if i < d:
-                u = uint64(i)
-                _store(out, t, h, u, w[u] * (vals[j] * r) * _gate(z[t, h, u], control), bits)
+                _store(out, t, h, uint64(i), ws[j] * (vals[j] * r) * _gate(zs[j], control), bits)
         for i in range(lane + per * team, d, team):
             u = uint64(i)
             _store(out, t, h, u, w[u] * (x[t, h, u] * r) * _gate(z[t, h, u], control), bits)
