@@ -94,8 +94,10 @@ _rope = {c: _make_rope(c) for c in (False, True)}
 
 
 def rope(x, cos, sin, out, stream=0, control=False):
-    """out = RoPE(x): x [L, H, d], cos/sin [L, r]; pairs (j, j + r), dims >= 2r copied."""
-    blocks = max(1, min((x.size + BLOCK - 1) // BLOCK, 2 if SIMULATED else 4096))
+    """out = RoPE(x): x [L, H, d], cos/sin [L, r]; pairs (j, j + r), dims >= 2r copied. One element per
+    thread on the GPU (a thread looping over several would wait out one load latency per element: its
+    loads may alias its earlier stores)."""
+    blocks = max(1, min((x.size + BLOCK - 1) // BLOCK, 2 if SIMULATED else 2 ** 31 - 1))
     _rope[control][blocks, BLOCK, stream](x, cos, sin, out)
 
 
