@@ -237,58 +237,70 @@ def _make_walk(control, cols, threads, dk):
     warps, ntl = threads // 32, cols // 8                 # n tiles of 8 columns
     items1, items2 = 2 * (cp // 16) * ntl, (cp // 16 + kp // 16) * ntl
     rounds1, rounds2 = -(-items1 // warps), -(-items2 // warps)
-    per_k, per_p, per_u = -(-CHUNK * dk // threads), -(-CHUNK * CHUNK // threads), -(-CHUNK * cols // threads)
     (ow, aw), (oq, _), (ok, ak), (op, ap) = lay["w"], lay["q"], lay["k"], lay["p"]
     (ou, bs), (od, _), (oe, _), (oo, _), (os, _), (og, _) = (lay[x] for x in "udeosg")
     u = uint64
 
+    # staging: each thread keeps one column of a row-major tile and walks its rows rstep apart, so that
+    # every offset is a base plus a constant (unsigned: no negative-index wrap)
+    kstep, pstep, ustep = threads // dk, threads // CHUNK, threads // cols
+    per_k, per_p, per_u = -(-CHUNK // kstep), -(-CHUNK // pstep), -(-CHUNK // ustep)
+
     @jit(device=True, forceinline=True)
-    def load_wqu(uw, q, cr, t0, n, hk, wide, dv, col0, tid, rw, rq, ru):
+    def load_wqu(uw, q, cr, t0, m, hkdk, qoff, wide, dv, col0, dvalid, tid, rw, rq, ru):
+        i0, d = u(tid // dk), u(tid % dk)
+        wb = (u(cr) + i0) * u(wide) + u(dv) + d
+        qb = (u(t0) + i0) * u(hkdk) + u(qoff) + d
         for j in range(per_k):
-            e = tid + j * threads
-            i, d = e // dk, e % dk
-            live = e < CHUNK * dk and t0 + i < n
-            rw[j] = uw[(cr + min(i, CHUNK - 1)) * wide + dv + d]
-            rq[j] = q[min(t0 + i, n - 1), hk, d] if live else float32(0.0)
+            i = i0 + u(j * kstep)
+            live = i < u(m)
+            rw[j] = uw[wb + u(j * kstep) * u(wide)] if i < u(CHUNK) else float32(0.0)
+            rq[j] = q[qb + u(j * kstep) * u(hkdk)] if live else float32(0.0)
+        i0, x = u(tid // cols), u(tid % cols)
+        ub = (u(cr) + i0) * u(wide) + u(col0) + x
         for j in range(per_u):
-            e = tid + j * threads
-            i, x = e // cols, e % cols
-            ru[j] = uw[(cr + min(i, CHUNK - 1)) * wide + min(col0 + x, dv - 1)] \
-                if e < CHUNK * cols and col0 + x < dv else float32(0.0)
+            i = i0 + u(j * ustep)
+            ru[j] = uw[ub + u(j * ustep) * u(wide)] if i < u(CHUNK) and dvalid else float32(0.0)
 
     @jit(device=True, forceinline=True)
     def store_wqu(sh, tid, rw, rq, ru):
+        i0, d = u(tid // dk), u(tid % dk)
         for j in range(per_k):
-            e = tid + j * threads
-            if e < CHUNK * dk:
-                i, d = u(e // dk), u(e % dk)
+            i = i0 + u(j * kstep)
+            if i < u(CHUNK):
                 sh[u(ow) + i * u(aw) + d] = rw[j]
                 sh[u(oq) + i * u(aw) + d] = rq[j]
+        i0, x = u(tid // cols), u(tid % cols)
         for j in range(per_u):
-            e = tid + j * threads
-            if e < CHUNK * cols:
-                sh[u(ou) + u(e // cols) * u(bs) + u(e % cols)] = ru[j]
+            i = i0 + u(j * ustep)
+            if i < u(CHUNK):
+                sh[u(ou) + i * u(bs) + x] = ru[j]
 
     @jit(device=True, forceinline=True)
-    def load_kp(p, k, pr, t0, n, hk, tid, rk, rp):
+    def load_kp(p, k, cr, t0, m, hkdk, qoff, tid, rk, rp):
+        i0, d = u(tid // dk), u(tid % dk)
+        kb = (u(t0) + i0) * u(hkdk) + u(qoff) + d
         for j in range(per_k):
-            e = tid + j * threads
-            i, d = e // dk, e % dk
-            rk[j] = k[min(t0 + i, n - 1), hk, d] if e < CHUNK * dk and t0 + i < n else float32(0.0)
+            i = i0 + u(j * kstep)
+            rk[j] = k[kb + u(j * kstep) * u(hkdk)] if i < u(m) else float32(0.0)
+        i0, l = u(tid // CHUNK), u(tid % CHUNK)
+        pb = (u(cr) + i0) * u(CHUNK) + l
         for j in range(per_p):
-            e = tid + j * threads
-            rp[j] = p[pr + min(e, CHUNK * CHUNK - 1)]
+            i = i0 + u(j * pstep)
+            rp[j] = p[pb + u(j * pstep) * u(CHUNK)] if i < u(CHUNK) else float32(0.0)
 
     @jit(device=True, forceinline=True)
     def store_kp(sh, tid, rk, rp):
+        i0, d = u(tid // dk), u(tid % dk)
         for j in range(per_k):
-            e = tid + j * threads
-            if e < CHUNK * dk:
-                sh[u(ok) + u(e // dk) * u(ak) + u(e % dk)] = rk[j]
+            i = i0 + u(j * kstep)
+            if i < u(CHUNK):
+                sh[u(ok) + i * u(ak) + d] = rk[j]
+        i0, l = u(tid // CHUNK), u(tid % CHUNK)
         for j in range(per_p):
-            e = tid + j * threads
-            if e < CHUNK * CHUNK:
-                sh[u(op) + u(e // CHUNK) * u(ap) + u(e % CHUNK)] = rp[j]
+            i = i0 + u(j * pstep)
+            if i < u(CHUNK):
+                sh[u(op) + i * u(ap) + l] = rp[j]
 
     @jit(device=True, forceinline=True)
     def first(sh, on_q, i, j, x):
@@ -315,7 +327,10 @@ def _make_walk(control, cols, threads, dk):
         warp, lane = tid // 32, tid % 32
         row, quad = lane // 4, lane % 4
         n, dv, slots = out.shape[0], out.shape[2], gam.shape[1]
-        hk = hv // (out.shape[1] // q.shape[1])
+        hkdk = q.size // max(n, 1)                      # q and k flat: [n, key heads, dk] rows
+        hk = hv // (out.shape[1] // (hkdk // dk))
+        qoff = hk * dk
+        dvalid = col0 + tid % cols < dv
         wide = dv + dk
         chunks = (n + CHUNK - 1) // CHUNK
         sh = cuda.shared.array(0, float32)
@@ -328,7 +343,7 @@ def _make_walk(control, cols, threads, dk):
         rk = cuda.local.array(per_k, float32)
         rp = cuda.local.array(per_p, float32)
         cuda.syncthreads()
-        load_wqu(uw, q, hv * slots * CHUNK, 0, n, hk, wide, dv, col0, tid, rw, rq, ru)
+        load_wqu(uw, q, hv * slots * CHUNK, 0, min(CHUNK, n), hkdk, qoff, wide, dv, col0, dvalid, tid, rw, rq, ru)
         store_wqu(sh, tid, rw, rq, ru)
         for c in range(chunks):
             t0 = c * CHUNK
@@ -337,7 +352,7 @@ def _make_walk(control, cols, threads, dk):
                 gv = gam[hv, c, tid]
                 sh[u(og) + u(tid)] = math.exp(gv)
                 sh[u(og + cp) + u(tid)] = math.exp(gam[hv, c, CHUNK - 1] - gv)
-            load_kp(p, k, cr * CHUNK, t0, n, hk, tid, rk, rp)
+            load_kp(p, k, cr, t0, min(CHUNK, n - t0), hkdk, qoff, tid, rk, rp)
             cuda.syncthreads()
             # (1) D = U - W S (tiles below items1 / 2), e^G (Q S) (the rest)
             for it in range(rounds1):
@@ -359,7 +374,8 @@ def _make_walk(control, cols, threads, dk):
             store_kp(sh, tid, rk, rp)
             cuda.syncthreads()
             if c + 1 < chunks:
-                load_wqu(uw, q, cr + CHUNK, t0 + CHUNK, n, hk, wide, dv, col0, tid, rw, rq, ru)
+                load_wqu(uw, q, cr + CHUNK, t0 + CHUNK, min(CHUNK, n - t0 - CHUNK), hkdk, qoff, wide, dv, col0, dvalid,
+                         tid, rw, rq, ru)
             decay = math.exp(gam[hv, c, CHUNK - 1])
             cuda.syncthreads()
             # (2) O + P D to the output (tiles below cp / 16 ntl), S <- e^(G_n) S + K^T E (the rest)
@@ -461,9 +477,11 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     cols, threads = walk or WALK
-    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS:
+    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS or threads % dk \
+            or threads % CHUNK or threads % cols:
         raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, walk {walk} "
-                         "needs columns in eights and whole warps")
+                         "needs columns in eights and whole warps, a multiple of the key dim, the chunk and "
+                         "its columns")
     r = n_hv // n_hk
     slots = -(-n // CHUNK) + 1
     w = work
@@ -488,7 +506,8 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     if "uw" in stages:             # [U | W] = T [beta V | beta e^G K]
         product(C, wide, C, w["t"], 0, C, C * C, w["rhs"], 0, wide, C * wide, w["uw"], 0, wide, C * wide, batch)
     if "walk" in stages:
-        args = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q, k, w["gam"], out)
+        args = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q.reshape(q.size), k.reshape(k.size),
+                w["gam"], out)
         nbytes = 4 * walk_layout(cols, dk)[1]
         allow_shared(_walk[walk_key], args, nbytes)
         _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream, nbytes](*args)
