@@ -19,7 +19,7 @@ from numba import cuda, float32, uint64
 from .core import SIMULATED, Case, allow_shared, gamma, jit
 from .gdn import _make_delta_inputs, delta_reference_terms
 from .gemm import EPS_TF32, OP_N, OP_T, blas
-from .mma import mma_tf32
+from .mma import copy16, copy_commit, copy_wait, copy_wait_prior, mma_tf32
 
 CHUNK = 4 if SIMULATED else 64
 ROW = CHUNK + 1                          # padded shared rows: a column walk then hits distinct banks
@@ -241,66 +241,48 @@ def _make_walk(control, cols, threads, dk):
     (ou, bs), (od, _), (oe, _), (oo, _), (os, _), (og, _) = (lay[x] for x in "udeosg")
     u = uint64
 
-    # staging: each thread keeps one column of a row-major tile and walks its rows rstep apart, so that
-    # every offset is a base plus a constant (unsigned: no negative-index wrap)
-    kstep, pstep, ustep = threads // dk, threads // CHUNK, threads // cols
+    # staging: asynchronous 16-byte copies (mma.copy16), each thread one 4-float group of a row-major tile
+    # walking its rows rstep apart, every offset a base plus a constant (unsigned: no negative-index wrap)
+    gk, gp, gu = dk // 4, CHUNK // 4, cols // 4
+    kstep, pstep, ustep = threads // gk, threads // gp, threads // gu
     per_k, per_p, per_u = -(-CHUNK // kstep), -(-CHUNK // pstep), -(-CHUNK // ustep)
 
     @jit(device=True, forceinline=True)
-    def load_wqu(uw, q, cr, t0, m, hkdk, qoff, wide, dv, col0, dvalid, tid, rw, rq, ru):
-        i0, d = u(tid // dk), u(tid % dk)
+    def stage_wqu(sh, uw, q, cr, t0, m, hkdk, qoff, wide, dv, col0, tid):
+        """W, Q (rows of the chunk from token t0, m of them real) and the block's columns of U."""
+        i0, d = u(tid // gk), u(4 * (tid % gk))
         wb = (u(cr) + i0) * u(wide) + u(dv) + d
         qb = (u(t0) + i0) * u(hkdk) + u(qoff) + d
         for j in range(per_k):
             i = i0 + u(j * kstep)
-            live = i < u(m)
-            rw[j] = uw[wb + u(j * kstep) * u(wide)] if i < u(CHUNK) else float32(0.0)
-            rq[j] = q[qb + u(j * kstep) * u(hkdk)] if live else float32(0.0)
-        i0, x = u(tid // cols), u(tid % cols)
+            if i < u(CHUNK):
+                copy16(sh, u(ow) + i * u(aw) + d, uw, wb + u(j * kstep) * u(wide), True)
+                live = i < u(m)
+                copy16(sh, u(oq) + i * u(aw) + d, q, qb + u(j * kstep) * u(hkdk) if live else u(0), live)
+        i0, x = u(tid // gu), u(4 * (tid % gu))
         ub = (u(cr) + i0) * u(wide) + u(col0) + x
-        for j in range(per_u):
-            i = i0 + u(j * ustep)
-            ru[j] = uw[ub + u(j * ustep) * u(wide)] if i < u(CHUNK) and dvalid else float32(0.0)
-
-    @jit(device=True, forceinline=True)
-    def store_wqu(sh, tid, rw, rq, ru):
-        i0, d = u(tid // dk), u(tid % dk)
-        for j in range(per_k):
-            i = i0 + u(j * kstep)
-            if i < u(CHUNK):
-                sh[u(ow) + i * u(aw) + d] = rw[j]
-                sh[u(oq) + i * u(aw) + d] = rq[j]
-        i0, x = u(tid // cols), u(tid % cols)
+        live = u(col0) + x < u(dv)
         for j in range(per_u):
             i = i0 + u(j * ustep)
             if i < u(CHUNK):
-                sh[u(ou) + i * u(bs) + x] = ru[j]
+                copy16(sh, u(ou) + i * u(bs) + x, uw, ub + u(j * ustep) * u(wide) if live else u(0), live)
 
     @jit(device=True, forceinline=True)
-    def load_kp(p, k, cr, t0, m, hkdk, qoff, tid, rk, rp):
-        i0, d = u(tid // dk), u(tid % dk)
+    def stage_kp(sh, p, k, cr, t0, m, hkdk, qoff, tid):
+        """K (rows of the chunk from token t0, m of them real) and P."""
+        i0, d = u(tid // gk), u(4 * (tid % gk))
         kb = (u(t0) + i0) * u(hkdk) + u(qoff) + d
         for j in range(per_k):
             i = i0 + u(j * kstep)
-            rk[j] = k[kb + u(j * kstep) * u(hkdk)] if i < u(m) else float32(0.0)
-        i0, l = u(tid // CHUNK), u(tid % CHUNK)
+            if i < u(CHUNK):
+                live = i < u(m)
+                copy16(sh, u(ok) + i * u(ak) + d, k, kb + u(j * kstep) * u(hkdk) if live else u(0), live)
+        i0, l = u(tid // gp), u(4 * (tid % gp))
         pb = (u(cr) + i0) * u(CHUNK) + l
         for j in range(per_p):
             i = i0 + u(j * pstep)
-            rp[j] = p[pb + u(j * pstep) * u(CHUNK)] if i < u(CHUNK) else float32(0.0)
-
-    @jit(device=True, forceinline=True)
-    def store_kp(sh, tid, rk, rp):
-        i0, d = u(tid // dk), u(tid % dk)
-        for j in range(per_k):
-            i = i0 + u(j * kstep)
             if i < u(CHUNK):
-                sh[u(ok) + i * u(ak) + d] = rk[j]
-        i0, l = u(tid // CHUNK), u(tid % CHUNK)
-        for j in range(per_p):
-            i = i0 + u(j * pstep)
-            if i < u(CHUNK):
-                sh[u(op) + i * u(ap) + l] = rp[j]
+                copy16(sh, u(op) + i * u(ap) + l, p, pb + u(j * pstep) * u(CHUNK), True)
 
     @jit(device=True, forceinline=True)
     def first(sh, on_q, i, j, x):
@@ -330,29 +312,25 @@ def _make_walk(control, cols, threads, dk):
         hkdk = q.size // max(n, 1)                      # q and k flat: [n, key heads, dk] rows
         hk = hv // (out.shape[1] // (hkdk // dk))
         qoff = hk * dk
-        dvalid = col0 + tid % cols < dv
         wide = dv + dk
         chunks = (n + CHUNK - 1) // CHUNK
         sh = cuda.shared.array(0, float32)
         total = u(og + 2 * cp)
         for idx in range(u(tid), total, u(threads)):
             sh[idx] = float32(0.0)
-        rw = cuda.local.array(per_k, float32)
-        rq = cuda.local.array(per_k, float32)
-        ru = cuda.local.array(per_u, float32)
-        rk = cuda.local.array(per_k, float32)
-        rp = cuda.local.array(per_p, float32)
         cuda.syncthreads()
-        load_wqu(uw, q, hv * slots * CHUNK, 0, min(CHUNK, n), hkdk, qoff, wide, dv, col0, dvalid, tid, rw, rq, ru)
-        store_wqu(sh, tid, rw, rq, ru)
+        stage_wqu(sh, uw, q, hv * slots * CHUNK, 0, min(CHUNK, n), hkdk, qoff, wide, dv, col0, tid)
+        copy_commit()
         for c in range(chunks):
             t0 = c * CHUNK
             cr = (hv * slots + c) * CHUNK                 # the chunk's first row in the flat work arrays
+            stage_kp(sh, p, k, cr, t0, min(CHUNK, n - t0), hkdk, qoff, tid)   # lands during step (1)
+            copy_commit()
             if tid < CHUNK:
                 gv = gam[hv, c, tid]
                 sh[u(og) + u(tid)] = math.exp(gv)
                 sh[u(og + cp) + u(tid)] = math.exp(gam[hv, c, CHUNK - 1] - gv)
-            load_kp(p, k, cr, t0, min(CHUNK, n - t0), hkdk, qoff, tid, rk, rp)
+            copy_wait_prior()        # W, Q and U of this chunk (staged during the last step (2))
             cuda.syncthreads()
             # (1) D = U - W S (tiles below items1 / 2), e^G (Q S) (the rest)
             for it in range(rounds1):
@@ -371,13 +349,13 @@ def _make_walk(control, cols, threads, dk):
                     first(sh, on_q, i, j + 1, c1)
                     first(sh, on_q, i + 8, j, c2)
                     first(sh, on_q, i + 8, j + 1, c3)
-            store_kp(sh, tid, rk, rp)
+            copy_wait()              # K and P
             cuda.syncthreads()
-            if c + 1 < chunks:
-                load_wqu(uw, q, cr + CHUNK, t0 + CHUNK, min(CHUNK, n - t0 - CHUNK), hkdk, qoff, wide, dv, col0, dvalid,
-                         tid, rw, rq, ru)
+            if c + 1 < chunks:       # the next chunk's W, Q and U land during step (2)
+                stage_wqu(sh, uw, q, cr + CHUNK, t0 + CHUNK, min(CHUNK, n - t0 - CHUNK), hkdk, qoff, wide, dv, col0,
+                          tid)
+            copy_commit()
             decay = math.exp(gam[hv, c, CHUNK - 1])
-            cuda.syncthreads()
             # (2) O + P D to the output (tiles below cp / 16 ntl), S <- e^(G_n) S + K^T E (the rest)
             for it in range(rounds2):
                 item = min(warp + it * warps, items2 - 1)
@@ -404,8 +382,6 @@ def _make_walk(control, cols, threads, dk):
                     second(sh, out, on_s, t0, hv, col0, i, j + 1, c1)
                     second(sh, out, on_s, t0, hv, col0, i + 8, j, c2)
                     second(sh, out, on_s, t0, hv, col0, i + 8, j + 1, c3)
-            if c + 1 < chunks:
-                store_wqu(sh, tid, rw, rq, ru)
             cuda.syncthreads()
     return walk
 
@@ -477,11 +453,11 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     cols, threads = walk or WALK
-    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS or threads % dk \
-            or threads % CHUNK or threads % cols:
-        raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, walk {walk} "
-                         "needs columns in eights and whole warps, a multiple of the key dim, the chunk and "
-                         "its columns")
+    if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS or dv % 4 \
+            or threads % (dk // 4) or threads % (CHUNK // 4) or threads % (cols // 4):
+        raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, the value "
+                         f"dim {dv} of 4, and walk {walk} needs columns in eights and whole warps, a multiple "
+                         "of a quarter of the key dim, of the chunk and of its columns")
     r = n_hv // n_hk
     slots = -(-n // CHUNK) + 1
     w = work

@@ -139,33 +139,74 @@ def _mma_tf32_stated(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 mma_tf32 = _mma_tf32_stated if SIMULATED else _mma_tf32_ptx
 
 
-# --- an L2 prefetch (not tensor cores, but inline PTX of the same kind) ------------------------------
+# --- asynchronous copies into shared memory (not tensor cores, but inline PTX of the same kind) -------
+def _element_address(context, builder, aryty, ary, index, idxty):
+    array = context.make_array(aryty)(context, builder, ary)
+    idx = context.cast(builder, index, idxty, types.intp)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
+    return builder.ptrtoint(ptr, ir.IntType(64))
+
+
 @intrinsic
-def _prefetch_ptx(typingctx, ary, index):
-    """prefetch.global.L2 of the line holding ary[index] (a 1-D array): a hint, no result."""
-    sig = types.void(ary, index)
+def _copy16_ptx(typingctx, dst, di, src, si, live):
+    """cp.async.cg of the 16 bytes at src[si:si + 4] into the shared array dst[di:di + 4] (both 1-D float32,
+    16-byte aligned there), zeros instead when `live` is false (src-size 0: nothing is read)."""
+    sig = types.void(dst, di, src, si, live)
 
     def codegen(context, builder, signature, args):
-        aryty, idxty = signature.args
-        array = context.make_array(aryty)(context, builder, args[0])
-        idx = context.cast(builder, args[1], idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, array, [idx], wraparound=False)
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-        asm = ir.InlineAsm(fnty, "prefetch.global.L2 [$0];", "l", side_effect=True)
-        builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))])
+        dty, dity, sty, sity, _ = signature.args
+        to = _element_address(context, builder, dty, args[0], args[1], dity)
+        frm = _element_address(context, builder, sty, args[2], args[3], sity)
+        size = builder.select(args[4], ir.Constant(ir.IntType(32), 16), ir.Constant(ir.IntType(32), 0))
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64), ir.IntType(32)])
+        asm = ir.InlineAsm(fnty, "{ .reg .u64 s; cvta.to.shared.u64 s, $0; "
+                           "cp.async.cg.shared.global [s], [$1], 16, $2; }", "l,l,r,~{memory}", side_effect=True)
+        builder.call(asm, [to, frm, size])
         return context.get_dummy_value()
     return sig, codegen
 
 
+def _plain_asm(text, doc):
+    """A no-operand, no-result inline PTX statement as an intrinsic (ordered against memory accesses)."""
+    @intrinsic
+    def statement(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+        return sig, codegen
+    statement.__doc__ = doc
+    return statement
+
+
+_copy_commit_ptx = _plain_asm("cp.async.commit_group;", "Close this thread's group of asynchronous copies.")
+_copy_wait_prior_ptx = _plain_asm("cp.async.wait_group 1;", "Wait for all but the last committed group.")
+_copy_wait_ptx = _plain_asm("cp.async.wait_all;", "Wait for all of this thread's asynchronous copies (a barrier "
+                            "then shows them to the block).")
+
+
 @jit(device=True)
-def _prefetch_stated(ary, index):
-    """The simulator's prefetch_l2: a hint, so it moves nothing; it checks that the line it names lies
-    inside the array (the kernels' prefetch offsets are tested here, not on the GPU)."""
-    if not 0 <= int(index) < ary.size:
-        raise IndexError(f"prefetch_l2 at {int(index)} outside an array of {ary.size}")
+def _copy16_stated(dst, di, src, si, live):
+    """The simulator's copy16: the copy (or the zeros) at once; it checks the alignment the instruction
+    needs (both offsets whole 16-byte words)."""
+    if di % 4 or si % 4:
+        raise ValueError(f"copy16 from {int(si)} to {int(di)}: offsets must be multiples of 4 floats")
+    for e in range(4):
+        dst[di + e] = src[si + e] if live else np.float32(0.0)
 
 
-prefetch_l2 = _prefetch_stated if SIMULATED else _prefetch_ptx
+@jit(device=True)
+def _copy_nothing_stated():
+    """The simulator's copies land at once: nothing to commit or wait for."""
+    return
+
+
+copy16 = _copy16_stated if SIMULATED else _copy16_ptx
+copy_commit = _copy_nothing_stated if SIMULATED else _copy_commit_ptx
+copy_wait_prior = _copy_nothing_stated if SIMULATED else _copy_wait_prior_ptx
+copy_wait = _copy_nothing_stated if SIMULATED else _copy_wait_ptx
 
 
 @jit(device=True, forceinline=True)

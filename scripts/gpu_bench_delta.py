@@ -17,7 +17,7 @@ from cuda_kernels import gdn, gdn_chunk
 from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
-LENGTHS = (112, 1024)
+LENGTHS = (112, 256, 512, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
 # the chunked form's serial pass: (state columns, threads) per block
 WALKS = [(16, 256), (32, 256), (32, 512)]

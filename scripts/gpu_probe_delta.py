@@ -40,7 +40,8 @@ def main():
     solve = gc._solve[(False, r)]
     cols, threads = gc.WALK
     walk = gc._walk[(False, cols, threads, DK)]
-    wargs = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q, k, w["gam"], out)
+    wargs = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q.reshape(q.size), k.reshape(k.size),
+             w["gam"], out)
     nbytes = 4 * gc.walk_layout(cols, DK)[1]
     allow_shared(walk, wargs, nbytes)
     empty = wargs[:5] + (out[:0],)

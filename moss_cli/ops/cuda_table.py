@@ -29,7 +29,7 @@ from ..encoder import Qwen35Encoder, text_config
 MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
 # by token (gdn); BENCHMARKS.md compares the two.
-CHUNK_FROM = MAX_TOKENS + 1
+CHUNK_FROM = 256
 
 
 class _View:
