@@ -131,7 +131,7 @@ def profile(enc, ids, top=16):
         name = e.name
         for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
                     "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu",
-                    "gdn_gates", "sigmoid_gate", "prep", "solve", "_scatter"):
+                    "gdn_gates", "sigmoid_gate", "prep", "solve", "walk"):
             if key in name:
                 name = key
                 break
