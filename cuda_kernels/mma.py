@@ -3,7 +3,9 @@ inline PTX (numba_cuda.md 4.2), and a plain product kernel over it, the gate-che
 tensor-core work (the chunked delta rule's within-chunk products, flash attention). The simulator cannot
 run inline PTX: there `mma_bf16` is a statement of the instruction from the fragment layout below (the
 warp's registers exchanged through shared memory), so the kernels' fragment packing is checked on CI
-against that layout, and on the GPU against the tensor cores.
+against that layout, and on the GPU against the tensor cores. The TF32 m16n8k8 product and the
+asynchronous 16-byte copies into shared memory (cp.async, which the chunked delta rule's walk stages its
+operands with) follow the same pattern: inline PTX on the GPU, a statement in the simulator.
 
 Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16", bf16): with lane = 4 row + quad,
   A (16 x 16, row-major), four 32-bit registers of two bf16 each, the lower column in the low half:

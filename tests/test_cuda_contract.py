@@ -43,3 +43,43 @@ def test_moss_cli_imports_without_numba_cuda_and_reports_why_no_gpu():
     assert done.returncode == 0, done.stderr
     ok, why = done.stdout.splitlines()[:2]
     assert ok in ("True", "False") and (ok == "True" or len(why) > 10), done.stdout
+
+
+COPY16 = """
+import numpy as np
+from numba import cuda, float32
+from cuda_kernels.mma import copy16, copy_commit, copy_wait, copy_wait_prior
+
+@cuda.jit
+def stage(src, dst, di, si, live):
+    sh = cuda.shared.array(0, float32)
+    for i in range(8):
+        sh[i] = float32(-1.0)
+    copy16(sh, di, src, si, live)
+    copy_commit()
+    copy_wait_prior()
+    copy_wait()
+    for i in range(8):
+        dst[i] = sh[i]
+
+src = np.arange(12, dtype=np.float32)
+for di, si, live in ((4, 8, True), (0, 4, False)):
+    dst = np.zeros(8, np.float32)
+    stage[1, 1, 0, 32](src, dst, di, si, live)
+    print(dst.tolist())
+try:
+    stage[1, 1, 0, 32](src, np.zeros(8, np.float32), 2, 4, True)
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_simulated_async_copy_moves_16_bytes_zero_fills_and_refuses_misaligned_offsets():
+    """The simulator's statement of cp.async (what CI's walk runs on): four floats land at the shared
+    offset, zeros when the source is not live, and an offset that is not a whole 16-byte word is refused,
+    as the instruction would fault."""
+    done = _python(["-c", COPY16])
+    lines = done.stdout.splitlines()
+    assert lines[0] == str([-1.0] * 4 + [8.0, 9.0, 10.0, 11.0]), done.stdout + done.stderr
+    assert lines[1] == str([0.0] * 4 + [-1.0] * 4), done.stdout + done.stderr
+    assert lines[2].startswith("refused:") and "copy16 from 4 to 2" in lines[2], done.stdout + done.stderr
