@@ -3,7 +3,8 @@ run in the numba CUDA simulator against the float64 recurrence: the recurrence w
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
 with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 16-column, 128-thread blocks
-(dk = 32; 70 tokens: a part chunk). In the
+(dk = 32; 70 tokens: a part chunk), and with dk = 8 and 32-column, 256-thread walks (the tiny checkpoint's
+key dim, half the GPU default's threads: the simulator's mma statement takes at most 256). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
@@ -42,9 +43,9 @@ expected, bound = gdn._ref_delta(inp)
 print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 """
 
-CHUNKED = INPUTS.format(n=70, dk=32) + """
+CHUNKED = """
 from cuda_kernels import gdn_chunk as gc
-gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, (16, 128), 32
+gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, {walk}, 32
 gc.ROW = gc.CHUNK + 1
 gc.AREA = gc.CHUNK * gc.ROW
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
@@ -60,7 +61,9 @@ SCRIPTS = {
     "recurrence dk 8": INPUTS.format(n=45, dk=8) + RECURRENT.format(geometry=(8, 256, 16, 1)),
     # groups of 4 tokens (the group algebra at a GPU geometry; the simulator's default groups 2)
     "grouped recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(4, 128, 16, 4)),
-    "chunked": CHUNKED,
+    "chunked": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128)),
+    # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16
+    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256)),
 }
 
 
