@@ -54,6 +54,13 @@ def _make_prep(r):
                 qk[hk, c, i, d] = qv
                 qk[hk, c, CHUNK + i, d] = kv
 
+    @jit(device=True, forceinline=True)
+    def four_rows(x, t0, i, rs, m, h, d):
+        """x[t0 + i + j rs, h, d] for j = 0..3, zero for rows at or past m: all four loads issued at once."""
+        f0 = float32(0.0)
+        return (x[t0 + i, h, d] if i < m else f0, x[t0 + i + rs, h, d] if i + rs < m else f0,
+                x[t0 + i + 2 * rs, h, d] if i + 2 * rs < m else f0, x[t0 + i + 3 * rs, h, d] if i + 3 * rs < m else f0)
+
     @jit
     def prep(q, k, v, g, beta, qk, rhs, gam):
         hv, c, tid, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
@@ -80,20 +87,13 @@ def _make_prep(r):
             eg[tid] = math.exp(gs[tid])
             gam[hv, c, tid] = gs[tid]
         cuda.syncthreads()
-        f0 = float32(0.0)
         rs = nt // dk
         if tid < rs * dk:
             d, i = tid % dk, tid // dk
             while i < CHUNK:
                 i1, i2, i3 = i + rs, i + 2 * rs, i + 3 * rs
-                k0 = k[t0 + i, hk, d] if i < m else f0
-                k1 = k[t0 + i1, hk, d] if i1 < m else f0
-                k2 = k[t0 + i2, hk, d] if i2 < m else f0
-                k3 = k[t0 + i3, hk, d] if i3 < m else f0
-                q0 = q[t0 + i, hk, d] if i < m else f0
-                q1 = q[t0 + i1, hk, d] if i1 < m else f0
-                q2 = q[t0 + i2, hk, d] if i2 < m else f0
-                q3 = q[t0 + i3, hk, d] if i3 < m else f0
+                k0, k1, k2, k3 = four_rows(k, t0, i, rs, m, hk, d)
+                q0, q1, q2, q3 = four_rows(q, t0, i, rs, m, hk, d)
                 key_row(qk, rhs, bs, eg, hv, hk, c, dv, i, d, k0, q0)
                 key_row(qk, rhs, bs, eg, hv, hk, c, dv, i1, d, k1, q1)
                 key_row(qk, rhs, bs, eg, hv, hk, c, dv, i2, d, k2, q2)
@@ -104,10 +104,7 @@ def _make_prep(r):
             d, i = tid % dv, tid // dv
             while i < CHUNK:
                 i1, i2, i3 = i + rs, i + 2 * rs, i + 3 * rs
-                v0 = v[t0 + i, hv, d] if i < m else f0
-                v1 = v[t0 + i1, hv, d] if i1 < m else f0
-                v2 = v[t0 + i2, hv, d] if i2 < m else f0
-                v3 = v[t0 + i3, hv, d] if i3 < m else f0
+                v0, v1, v2, v3 = four_rows(v, t0, i, rs, m, hv, d)
                 rhs[hv, c, i, d] = bs[i] * v0
                 if i1 < CHUNK:
                     rhs[hv, c, i1, d] = bs[i1] * v1
@@ -227,9 +224,9 @@ def _make_walk(control, cols, threads, dk):
       (2) O + P D to the output, S <- e^(G_n) S + K^T E.
     Each warp takes m16n8 tiles in turn (_tile; warps past the last tile compute one and store nothing,
     so every warp issues the same mma count: the simulator's statement of the instruction synchronises
-    the block). The global loads are coalesced rows, issued a step ahead into registers and stored to
-    shared memory after the step: K and P of chunk c during step (1) of chunk c, W, Q and U of chunk c + 1
-    during step (2) (a barrier after the issue keeps the compiler from sinking the loads into the step).
+    the block). The operands come in by asynchronous 16-byte copies (mma.copy16) of coalesced rows, each
+    stage one commit group that lands while a step computes: K and P of chunk c during step (1) of chunk c,
+    W, Q and U of chunk c + 1 during step (2); no registers hold them on the way.
     q and k come straight from the op's inputs, scaled by e^G in the products' epilogues.
     control: the output without the entry state's read e^G Q S."""
     lay, _ = walk_layout(cols, dk)

@@ -72,7 +72,7 @@ def stage_ms(ops, args, reps=20):
         return graph_ms(graph, stream, reps)
     for stage in gdn_chunk.STAGES:
         times[f"chunked_stage_{stage}_ms"] = timed(stage)
-    # the solve with other serial block heights (gdn_chunk.SUB rows)
+    # the solve with other diagonal block sizes (gdn_chunk.SUB rows)
     default_sub = gdn_chunk.SUB
     for sub in (8, 32):
         gdn_chunk.SUB = sub
