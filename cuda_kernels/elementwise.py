@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32
 
-from .core import BLOCK, EPS32, SIMULATED, Case, bf16_bound, from_bf16_bits, jit, narrow, to_bf16_bits
+from .core import BLOCK, EPS32, SIMULATED, Case, bf16_bound, from_bf16_bits, jit, narrow, to_bf16_bits, widen
 
 SCALE, SIGMOID, SILU, TANH, EXP, SOFTPLUS = range(6)
 UNARY = {"scale": SCALE, "sigmoid": SIGMOID, "silu": SILU, "tanh": TANH, "exp": EXP, "softplus": SOFTPLUS}
@@ -133,9 +133,20 @@ def _tiles(rows, n):
     return (-(-rows // (BLOCK // team)), -(-n // (team * TILE_PER))), team
 
 
+@jit(device=True, forceinline=True)
+def _float_at(a, r, i):
+    return a[r, i]
+
+
+@jit(device=True, forceinline=True)
+def _bits_at(a, r, i):
+    return widen(a[r, i])
+
+
 @functools.cache
-def _swiglu(control, bits, team):
+def _swiglu(control, bits, team, bits_in=False):
     per = TILE_PER
+    read = _bits_at if bits_in else _float_at
 
     @jit(launch_bounds=(BLOCK, 5))     # five blocks per SM (no spills at TILE_PER): more loads in flight
     def swiglu(gate, up, out):
@@ -149,7 +160,7 @@ def _swiglu(control, bits, team):
         for j in range(per):
             i = first + j * team
             if i < n:
-                g[j], u[j] = (up[r, i], gate[r, i]) if control else (gate[r, i], up[r, i])
+                g[j], u[j] = (read(up, r, i), read(gate, r, i)) if control else (read(gate, r, i), read(up, r, i))
         for j in range(per):
             i = first + j * team
             if i < n:
@@ -163,9 +174,12 @@ def _swiglu(control, bits, team):
 
 def swiglu(gate, up, out, stream=0, control=False):
     """out = silu(gate) * up over [R, N] arrays of any strides (gate and up may be column blocks of one
-    product's output); out float32, or uint16 for bf16 bits: the next product's operand."""
+    product's output); gate and up float32 or both uint16 (bf16 bits, a product's bf16 output); out
+    float32, or uint16 for bf16 bits: the next product's operand."""
+    if gate.dtype != up.dtype:
+        raise TypeError(f"swiglu: gate {gate.dtype} and up {up.dtype} differ")
     grid, team = _tiles(*out.shape)
-    _swiglu(control, out.dtype == np.uint16, team)[grid, BLOCK, stream](gate, up, out)
+    _swiglu(control, out.dtype == np.uint16, team, gate.dtype == np.uint16)[grid, BLOCK, stream](gate, up, out)
 
 
 @functools.cache
@@ -276,9 +290,11 @@ def _ref_binary(inp):
     return np.concatenate(refs), EPS32 * np.concatenate(mags) + 1e-30
 
 
-def _run_swiglu(inp, control):
-    """gate and up as the two column blocks of one [R, 2N] product output, bf16 bits out."""
-    both = cuda.to_device(np.concatenate([inp["a"], inp["b"]], axis=1))
+def _run_swiglu(inp, control, bits_in=False):
+    """gate and up as the two column blocks of one [R, 2N] product output (float32, or bf16 bits as a
+    product with a bf16 output leaves them), bf16 bits out."""
+    both = np.concatenate([inp["a"], inp["b"]], axis=1)
+    both = cuda.to_device(to_bf16_bits(both) if bits_in else both)
     n = inp["a"].shape[1]
     out = cuda.device_array(inp["a"].shape, np.uint16)
     swiglu(both[:, :n], both[:, n:], out, control=control)
@@ -297,6 +313,12 @@ def swiglu_bound(ref, bits=True):
 
 def _ref_swiglu(inp):
     ref = swiglu_reference(inp["a"], inp["b"])
+    return ref, swiglu_bound(ref)
+
+
+def _ref_swiglu_bits_in(inp):
+    """The reference on the bf16-rounded inputs (the rounding is the product's, not this kernel's)."""
+    ref = swiglu_reference(*(from_bf16_bits(to_bf16_bits(inp[n])) for n in ("a", "b")))
     return ref, swiglu_bound(ref)
 
 
@@ -334,6 +356,8 @@ CASES = [
          notes="control: broadcasts the row operand down columns instead of along rows"),
     Case("swiglu_bf16_out", _make_binary_inputs, _run_swiglu, _ref_swiglu,
          notes="control: silu of up times gate (the operands swapped)"),
+    Case("swiglu_bf16_in_out", _make_binary_inputs, lambda i, c: _run_swiglu(i, c, True), _ref_swiglu_bits_in,
+         notes="gate and up as bf16 bits; control: silu of up times gate"),
     Case("sigmoid_gate_bf16_out", _make_binary_inputs, _run_sigmoid_gate, _ref_sigmoid_gate,
          notes="control: silu(g) instead of sigmoid(g)"),
 ]

@@ -430,23 +430,36 @@ def _product(m, n, k, a, a_off, lda, sa, b, b_off, ldb, sb, c, c_off, ldc, sc, b
 
 
 # --- the op --------------------------------------------------------------------------------------
-def workspace_shapes(n, n_hk, n_hv, dk, dv):
-    """Float32 work arrays of one call, N + 1 chunk slots per head."""
+# How the per-chunk operands of the walk are made: "fused", one kernel (gdn_setup.chunk_setup), or
+# "stages", prep, the gram product, solve and the [U | W] product (four launches, chunk-major copies).
+SETUP = "fused"
+
+
+def workspace_shapes(n, n_hk, n_hv, dk, dv, setup=None):
+    """Float32 work arrays of one call, N + 1 chunk slots per head (the staged setup's copies too)."""
     slots = -(-n // CHUNK) + 1
-    return {"qk": (n_hk, slots, 2 * CHUNK, dk), "gram": (n_hk, slots, 2 * CHUNK, CHUNK),
-            "rhs": (n_hv, slots, CHUNK, dv + dk), "uw": (n_hv, slots, CHUNK, dv + dk),
-            "gam": (n_hv, slots, CHUNK),
-            "t": (n_hv, slots, CHUNK, CHUNK), "p": (n_hv, slots, CHUNK, CHUNK)}
+    out = {"uw": (n_hv, slots, CHUNK, dv + dk), "gam": (n_hv, slots, CHUNK), "p": (n_hv, slots, CHUNK, CHUNK)}
+    if (setup or SETUP) == "stages":
+        out.update({"qk": (n_hk, slots, 2 * CHUNK, dk), "gram": (n_hk, slots, 2 * CHUNK, CHUNK),
+                    "rhs": (n_hv, slots, CHUNK, dv + dk), "t": (n_hv, slots, CHUNK, CHUNK)})
+    return out
 
 
 STAGES = ("prep", "gram", "solve", "uw", "walk")
+FUSED_STAGES = ("setup", "walk")
 
 
-def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None, walk=None, stages=STAGES):
+def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None, walk=None, stages=None,
+                             setup=None):
     """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes. The
     products on tensor cores from TF32 inputs (float32 accumulation). walk: (columns, threads) of the
     serial pass (default WALK). control: "decay" (P without its decay factors) or "state" (the output
-    without the entry state's read e^G Q S). stages: run only these of STAGES (to time them one by one)."""
+    without the entry state's read e^G Q S). setup: "fused" or "stages" (default SETUP). stages: run only
+    these of STAGES (staged setup) or FUSED_STAGES (to time them one by one)."""
+    setup = setup or SETUP
+    if setup not in ("fused", "stages"):
+        raise ValueError(f"unknown chunk setup {setup!r}")
+    stages = stages or (STAGES if setup == "stages" else FUSED_STAGES)
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     cols, threads = walk or WALK
@@ -465,6 +478,9 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
         _solve[solve_key] = _make_solve(*solve_key)
     if walk_key not in _walk:
         _walk[walk_key] = _make_walk(*walk_key)
+    if "setup" in stages:
+        from .gdn_setup import chunk_setup         # (it builds on this module's constants)
+        chunk_setup(q, k, v, g, beta, w["uw"], w["p"], w["gam"], stream=stream, control=control == "decay")
     if "prep" in stages:
         _prep[r][(n_hv, slots), THREADS, stream](q, k, v, g, beta, w["qk"], w["rhs"], w["gam"])
 
@@ -486,14 +502,14 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
         _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream, nbytes](*args)
 
 
-def _run(inp, control, kind="decay"):
+def _run(inp, control, kind="decay", setup=None):
     arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     n, n_hk, dk = inp["q"].shape
     n_hv, dv = inp["v"].shape[1:]
     work = {name: cuda.device_array(shape, np.float32)
-            for name, shape in workspace_shapes(n, n_hk, n_hv, dk, dv).items()}
+            for name, shape in workspace_shapes(n, n_hk, n_hv, dk, dv, setup).items()}
     out = cuda.device_array(inp["v"].shape, np.float32)
-    gated_delta_rule_chunked(*arrays, out, work, control=kind if control else None)
+    gated_delta_rule_chunked(*arrays, out, work, control=kind if control else None, setup=setup)
     return out.copy_to_host()
 
 
@@ -586,6 +602,8 @@ def _ref_chunked(inp):
 CASES = [
     Case("gated_delta_rule_chunked", _make_inputs, _run, _ref_chunked,
          notes="control: the within-chunk read P without its decay factors"),
+    Case("gated_delta_rule_chunk_stages", _make_inputs, lambda i, c: _run(i, c, setup="stages"), _ref_chunked,
+         notes="the setup as four launches (prep, gram, solve, [U | W]); control: P without its decay factors"),
     Case("gated_delta_rule_chunk_walk", _make_inputs, lambda i, c: _run(i, c, kind="state"), _ref_chunked,
          notes="control: the output without the entry state's read e^G Q S (the walk)"),
 ]

@@ -25,7 +25,7 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import elementwise, embedding, gdn, gdn_chunk, layout, mma, norms, rope_attention
+    from . import elementwise, embedding, gdn, gdn_chunk, gdn_setup, layout, mma, norms, rope_attention
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -47,6 +47,8 @@ def _signatures():
         "l2_norm_d128": (norms._l2(False, *row_team(128)), (s3, f3, t.float32, t.float32)),
         "gated_rms_norm_bf16_out_d128": (norms._gated(False, True, *row_team(128)), (f3, s3, f1, b3, t.float32)),
         "swiglu_bf16_out": (elementwise._swiglu(False, True, elementwise._tiles(1, 12288)[1]), (s2, s2, b2)),
+        "swiglu_bf16_in_out": (elementwise._swiglu(False, True, elementwise._tiles(1, 12288)[1], True),
+                               (a(t.uint16, 2, "A"), a(t.uint16, 2, "A"), b2)),
         "sigmoid_gate_bf16_out": (elementwise._sigmoid_gate(False, True, elementwise._tiles(1, 256)[1]), (f3, s3, b3)),
         "gdn_gates": (gdn._gates[False], (s2, s2, f1, f1, f2, f2)),
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
@@ -56,6 +58,7 @@ def _signatures():
                                    (f3, f3, s3, f2, f2, f3)),
         "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f3)),
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
+        "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128), (f1, f1, s3, f2, f2, f1, f1, f3)),
         "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),

@@ -155,7 +155,7 @@ class Qwen35Encoder:
 
     def mlp(self, p, h, x):
         ops = self.ops
-        gate, up = ops.linears(h, self.ws(p + "gate_proj.weight", p + "up_proj.weight"))
+        gate, up = ops.linears(h, self.ws(p + "gate_proj.weight", p + "up_proj.weight"), narrow=True)
         return ops.linear(ops.swiglu(gate, up, operand=True), self.w(p + "down_proj.weight"), residual=x)
 
     def attention(self, p, h, cos, sin, x):

@@ -34,9 +34,9 @@ def inputs(n, seed=0):
     return inp
 
 
-def replay_ms(ops, args, form, geometry=None, walk=None, reps=20):
+def replay_ms(ops, args, form, geometry=None, walk=None, reps=20, setup=None):
     """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
-    ops.delta_geometry, ops.delta_walk = geometry, walk
+    ops.delta_geometry, ops.delta_walk, ops.delta_setup = geometry, walk, setup
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
     graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
@@ -55,31 +55,21 @@ def graph_ms(graph, stream, reps):
 
 
 def stage_ms(ops, args, reps=20):
-    """Each stage of the chunked form alone (gdn_chunk.STAGES), captured and replayed on buffers a full
-    run filled: median ms per stage."""
+    """Each stage of the chunked form alone (gdn_chunk.FUSED_STAGES, then the staged setup's STAGES),
+    captured and replayed on buffers a full run filled: median ms per stage."""
     q, k, v, g, beta = args
     n, n_hk, dk = q.shape
-    shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
-    work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
-    out = cuda.device_array(v.shape, np.float32)
-    gdn_chunk.gated_delta_rule_chunked(*args, out, work)
-    cuda.synchronize()
     times = {}
-
-    def timed(stage):
-        graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(*args, out, work, stream=ops.stream,
-                                                                                   stages=(stage,)))
-        return graph_ms(graph, stream, reps)
-    for stage in gdn_chunk.STAGES:
-        times[f"chunked_stage_{stage}_ms"] = timed(stage)
-    # the solve with other diagonal block sizes (gdn_chunk.SUB rows)
-    default_sub = gdn_chunk.SUB
-    for sub in (8, 32):
-        gdn_chunk.SUB = sub
-        gdn_chunk._solve.clear()
-        times[f"chunked_stage_solve_sub{sub}_ms"] = timed("solve")
-    gdn_chunk.SUB = default_sub
-    gdn_chunk._solve.clear()
+    for setup, stages in (("fused", gdn_chunk.FUSED_STAGES), ("stages", gdn_chunk.STAGES)):
+        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], setup)
+        work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
+        out = cuda.device_array(v.shape, np.float32)
+        gdn_chunk.gated_delta_rule_chunked(*args, out, work, setup=setup)
+        cuda.synchronize()
+        for stage in stages:
+            graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(
+                *args, out, work, stream=ops.stream, stages=(stage,), setup=setup))
+            times[f"chunked_{setup}_stage_{stage}_ms"] = graph_ms(graph, stream, reps)
     return times
 
 
@@ -99,6 +89,10 @@ def main():
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, form)
             except Exception as exc:          # one failing form must not hide the others
                 row[label + "_ms"] = f"failed: {exc!r}"
+        try:
+            row["chunked_staged_setup_ms"], outs["chunked_staged_setup"] = replay_ms(ops, dev, "chunk", setup="stages")
+        except Exception as exc:
+            row["chunked_staged_setup_ms"] = f"failed: {exc!r}"
         for geometry in GEOMETRIES:
             label = "recurrent_p{}_t{}_tile{}_group{}".format(*geometry)
             try:

@@ -32,6 +32,17 @@ CONFIG = {"text_config": {
 LENGTHS = (100, 1000)
 # other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
 WALKS = [(16, 256), (32, 256), (32, 512)]
+# the same graph with one choice changed (CudaOps attributes; "form" is the encoder's), each timed at both
+# lengths with its final rows' error against float64 (so a faster choice shows what it costs)
+VARIANTS = {
+    "recurrent_delta": {"form": "recurrent"},
+    "chunked_delta": {"chunk_from": 0},
+    "staged_setup": {"delta_setup": "stages"},
+    "staged_setup_chunked": {"delta_setup": "stages", "chunk_from": 0},
+    "f32_mlp_products": {"narrow_products": False},
+    "flash_attention": {"attention_form": "flash"},
+    "products_attention": {"attention_form": "products"},
+}
 
 
 def small_param(name, shape, rng):
@@ -116,7 +127,7 @@ def hf_hidden(model, ids):
     return [h[0].double().cpu().numpy() for h in out.hidden_states]
 
 
-def profile(enc, ids, top=16):
+def profile(enc, ids, top=40):
     """GPU time per kernel over 3 graph replays (CUPTI through torch.profiler): the top rows."""
     from torch.profiler import ProfilerActivity, profile as prof
     enc(ids)
@@ -131,7 +142,7 @@ def profile(enc, ids, top=16):
         name = e.name
         for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
                     "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu",
-                    "gdn_gates", "sigmoid_gate", "prep", "solve", "walk"):
+                    "gdn_gates", "sigmoid_gate", "prep", "solve", "walk", "setup", "flash"):
             if key in name:
                 name = key
                 break
@@ -206,20 +217,28 @@ def main():
                     "bucket": enc.timings["bucket"], "capture_s": capture_s,
                     "graph_vs_eager_rel": rel(rows, ours[n][-1]), "replays_identical": again.tobytes() == rows.tobytes(),
                     "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
-    # the same graph with each delta-rule form forced, for the comparison (BENCHMARKS.md)
-    default_from = ops.chunk_from
-    for label, form, chunk_from in (("recurrent", "recurrent", default_from), ("chunked", "chunk", 0)):
-        enc.model.form, ops.chunk_from, enc._captured = form, chunk_from, {}
-        for n, ids in prompts.items():
-            speed[n][f"ours_{label}_delta_ms"] = replay_ms(enc, ids)
-    enc.model.form, ops.chunk_from, enc._captured = "chunk", default_from, {}
-    # and with other geometries of the chunked form's serial pass (gdn_chunk.WALK is the default)
-    ops.chunk_from = 0
+    # the same graph with one choice changed at a time (VARIANTS), then other walk geometries
+    finals = {}
+
+    def variant(settings, label):
+        saved = {key: getattr(enc.model if key == "form" else ops, key) for key in settings}
+        for key, value in settings.items():
+            setattr(enc.model if key == "form" else ops, key, value)
+        enc._captured = {}
+        try:
+            for n, ids in prompts.items():
+                speed[n][f"ours_{label}_ms"] = replay_ms(enc, ids)
+                finals[(label, n)] = enc(ids)
+        except Exception as exc:       # a variant the code does not have (yet) is reported, not fatal
+            result.setdefault("variant_errors", {})[label] = repr(exc)
+        for key, value in saved.items():
+            setattr(enc.model if key == "form" else ops, key, value)
+        enc._captured = {}
+    for label, settings in VARIANTS.items():
+        if all(key == "form" or hasattr(ops, key) for key in settings):
+            variant(settings, label)
     for walk in WALKS:
-        ops.delta_walk, enc._captured = walk, {}
-        for n, ids in prompts.items():
-            speed[n][f"ours_chunked_{gdn_chunk.walk_name(walk)}_ms"] = replay_ms(enc, ids)
-    ops.delta_walk, ops.chunk_from, enc._captured = None, default_from, {}
+        variant({"chunk_from": 0, "delta_walk": walk}, f"chunked_{gdn_chunk.walk_name(walk)}")
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
     untuned, gemm._blas = gemm.blas(), gemm.Blas(tune=True)
@@ -263,6 +282,9 @@ def main():
             rows.append({"layer": i if i < len(ours[n]) - 1 else "final norm",
                          "ours": rel(ours[n][i], ref[hf_i]), "transformers_bf16": rel(hf16[n][hf_i], ref[hf_i])})
         table[n] = rows
+        for (label, m), final in finals.items():
+            if m == n:
+                speed[n][f"ours_{label}_final_rel"] = rel(final, ref[-1])
     result["speed"] = speed
     result["accuracy"] = table
     with open(args.out, "w") as f:

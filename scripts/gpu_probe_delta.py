@@ -1,4 +1,4 @@
-"""Where the chunked delta rule's stages spend their time: each stage kernel of gdn_chunk relaunched with
+"""Where the chunked delta rule's stages spend their time: each stage kernel (gdn_chunk, gdn_setup) relaunched with
 smaller grids (fewer blocks doing the same per-block work), captured as a CUDA graph and replayed. A stage
 whose time stays when its grid shrinks waits on latency inside a block; one whose time falls with the grid
 is bound by a shared resource (memory or L2 bandwidth). Timings only: shrunken grids compute wrong values.
@@ -13,7 +13,7 @@ import json
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import gdn_chunk as gc
+from cuda_kernels import gdn_chunk as gc, gdn_setup as gs
 from cuda_kernels.core import allow_shared
 from moss_cli.ops.cuda_table import CudaOps, capture
 
@@ -29,11 +29,16 @@ def main():
     inp = inputs(args.n)
     q, k, v, g, beta = (cuda.to_device(inp[x]) for x in ("q", "k", "v", "g", "beta"))
     n = args.n
-    shapes = gc.workspace_shapes(n, HK, HV, DK, DV)
+    shapes = gc.workspace_shapes(n, HK, HV, DK, DV, "stages")
     w = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
     out = cuda.device_array(v.shape, np.float32)
-    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w)
+    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="stages")
+    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="fused")
     cuda.synchronize()
+    setup = gs._setup[(False, HV // HK, DK, DV, gc.CHUNK, gc.SUB)]
+    sargs = (q.reshape(q.size), k.reshape(k.size), v, g, beta, w["uw"].reshape(w["uw"].size),
+             w["p"].reshape(w["p"].size), w["gam"])
+    sbytes = 4 * gs.setup_layout(DK, DV)[1]
     r = HV // HK
     slots = -(-n // gc.CHUNK) + 1
     prep = gc._prep[r]
@@ -55,6 +60,8 @@ def main():
         "prep_1block": lambda s: prep[(1, 1), gc.THREADS, s](q, k, v, g, beta, w["qk"], w["rhs"], w["gam"]),
         "solve_full": lambda s: solve[(HV, slots), gc.CHUNK * gc.PARTS, s](w["gram"], w["gam"], beta, w["t"], w["p"]),
         "solve_1block": lambda s: solve[(1, 1), gc.CHUNK * gc.PARTS, s](w["gram"], w["gam"], beta, w["t"], w["p"]),
+        "setup_full": lambda s: setup[(HV, -(-n // gc.CHUNK)), gs.THREADS, s, sbytes](*sargs),
+        "setup_1block": lambda s: setup[(1, 1), gs.THREADS, s, sbytes](*sargs),
         "walk_full": lambda s: walk[(HV, -(-DV // cols)), threads, s, nbytes](*wargs),
         "walk_1block": lambda s: walk[(1, 1), threads, s, nbytes](*wargs),
         "empty_graph_node": lambda s: walk[(1, 1), threads, s, nbytes](*empty),

@@ -2,9 +2,10 @@
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
-with 64-token chunks, 16-row solve blocks, 256-thread solves and the walk's 16-column, 128-thread blocks
-(dk = 32; 70 tokens: a part chunk), and with dk = 8 and 32-column, 256-thread walks (the tiny checkpoint's
-key dim, half the GPU default's threads: the simulator's mma statement takes at most 256). In the
+with 64-token chunks, 16-row solve blocks, the fused setup (gdn_setup) or the staged one, and the walk's
+16-column, 128-thread blocks (dk = 32; 70 tokens: a part chunk), and with dk = 8, the fused setup's
+256 threads and 32-column, 256-thread walks (the tiny checkpoint's key dim, half the GPU default's
+threads: the simulator's mma statement takes at most 256). In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
@@ -44,13 +45,15 @@ print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
 """
 
 CHUNKED = """
-from cuda_kernels import gdn_chunk as gc
+from cuda_kernels import gdn_chunk as gc, gdn_setup as gs
 gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, {walk}, 32
 gc.ROW = gc.CHUNK + 1
 gc.AREA = gc.CHUNK * gc.ROW
-gc._prep.clear(); gc._solve.clear(); gc._walk.clear()
+gs.THREADS, gs.STRIP = {setup}
+gc._prep.clear(); gc._solve.clear(); gc._walk.clear(); gs._setup.clear()
 expected, bound = gc._ref_chunked(inp)
-print(gate(gc._run(inp, False), expected, bound)[0], gate(gc._run(inp, True), expected, bound)[0])
+print(gate(gc._run(inp, False, setup="{form}"), expected, bound)[0],
+      gate(gc._run(inp, True, setup="{form}"), expected, bound)[0])
 """
 
 
@@ -61,9 +64,14 @@ SCRIPTS = {
     "recurrence dk 8": INPUTS.format(n=45, dk=8) + RECURRENT.format(geometry=(8, 256, 16, 1)),
     # groups of 4 tokens (the group algebra at a GPU geometry; the simulator's default groups 2)
     "grouped recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(4, 128, 16, 4)),
-    "chunked": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128)),
-    # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16
-    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256)),
+    # the fused setup in 4 warps, strips of 2 n tiles: whole row blocks per warp, so [U | W] skips T's
+    # zero blocks (the triangular steps the GPU takes)
+    "chunked": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128), setup=(128, 2), form="fused"),
+    # the staged setup (prep, solve and the cuBLAS products' statement on the host)
+    "chunked stages": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128), setup=(128, 2), form="stages"),
+    # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16;
+    # the fused setup at its GPU geometry, 256 threads and strips of 4 n tiles
+    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256), setup=(256, 4), form="fused"),
 }
 
 

@@ -25,7 +25,8 @@ from cuda_kernels.gemm import blas
 from ..encoder import Qwen35Encoder, text_config
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
-# 16 tokens up to 256, of 64 up to 2048, of 256 up to MAX_TOKENS. One graph is captured per bucket.
+# 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
+# token-serial delta rule its time), of 64 up to 2048, of 256 up to MAX_TOKENS. One graph per bucket.
 MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
 # by token (gdn). On the H200 at the 9B shapes (BENCHMARKS.md, run O) the two forms take the same time near
@@ -101,8 +102,12 @@ class CudaOps:
         self.ids = None         # the last token-id buffer embedding() read
         self.chunk_from = CHUNK_FROM
         self.delta_walk = None
+        self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
         self._last_cast = None
+        # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
+        # up) write bf16 rather than float32: half the bytes written and read, as transformers' bf16 does
+        self.narrow_products = True
 
     # --- memory -------------------------------------------------------------------------------
     def new(self, shape, dtype=np.float32):
@@ -335,22 +340,25 @@ class CudaOps:
         return out
 
     # --- linear algebra -----------------------------------------------------------------------
-    def linear(self, x, w, b=None, residual=None):
+    def linear(self, x, w, b=None, residual=None, narrow=False):
         """x @ w.T (+ b) (+ residual): x float32 [.., in] rounded to bf16 (or bf16 bits already), w bf16
-        bits [out, in], float32 out; the residual is added by the product's epilogue."""
+        bits [out, in], float32 out (bf16 bits when `narrow` and `narrow_products`: the float32 sums
+        rounded once, to nearest even); the residual is added by the product's epilogue."""
         if w.dtype != np.uint16:
             raise TypeError("linear: the weight must be bf16 bits (a 2-D param)")
         last = x.shape[x.ndim - 1]
         rows = x.size // last
         xb = self._bf16(x).reshape(rows, last)
-        out = self.new((rows, w.shape[0]))
+        bits = narrow and self.narrow_products and residual is None
+        out = self.new((rows, w.shape[0]), np.uint16 if bits else np.float32)
         res = None if residual is None else residual.reshape(rows, w.shape[0])
         blas().linear(xb, w, out, bias=b, residual=res, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
-    def linears(self, x, ws):
-        """One product with the stacked weight; each projection is a column block of it (a strided view)."""
-        return self.split(self.linear(x, ws.weight), ws.sizes)
+    def linears(self, x, ws, narrow=False):
+        """One product with the stacked weight; each projection is a column block of it (a strided view);
+        bf16 bits when `narrow` (see linear)."""
+        return self.split(self.linear(x, ws.weight, narrow=narrow), ws.sizes)
 
     def _bf16(self, x):
         """x rounded to bf16 bits (x itself if it is bits already); the last one is kept, as several
@@ -436,9 +444,10 @@ class CudaOps:
         if form == "recurrent" or n < self.chunk_from:
             gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream, geometry=self.delta_geometry)
             return out
-        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2])
+        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], self.delta_setup)
         work = {name: self.new(shape) for name, shape in shapes.items()}
-        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, walk=self.delta_walk)
+        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, walk=self.delta_walk,
+                                           setup=self.delta_setup)
         return out
 
 
@@ -449,7 +458,7 @@ def cuda_ops():
 def bucket(length):
     if length > MAX_TOKENS:
         raise ValueError(f"{length} tokens: more than the GPU encoder takes ({MAX_TOKENS})")
-    step = 16 if length <= 256 else 64 if length <= 2048 else 256
+    step = 4 if length <= 256 else 64 if length <= 2048 else 256
     return -(-length // step) * step
 
 

@@ -110,8 +110,11 @@ class CoreOps:
             y = y + residual
         return y
 
-    def linears(self, x, ws):
-        """[x @ w.T for w in ws]: projections of one input (`ws` from `params`; one product on a GPU)."""
+    def linears(self, x, ws, narrow=False):
+        """[x @ w.T for w in ws]: projections of one input (`ws` from `params`; one product on a GPU).
+
+        `narrow=True` says the projections only feed elementwise kernels: a GPU table may store them in
+        bf16 (the model's dtype, as transformers' bf16 forward does); numpy keeps float32 either way."""
         return [self.linear(x, w) for w in ws]
 
     def rms_norm(self, x, w, eps, offset=0.0, operand=False):
