@@ -29,8 +29,9 @@ NEG_INF = np.float32(-np.inf)
 
 
 def geometry(d):
-    """(split, padded d, keys per block, threads) for head dim d. GPU: BN = 64 keys up to d = 128 (four
-    blocks of 53 KB shared, 4 warps each, per SM), 32 past it (two blocks of 88 KB, 8 warps, per SM)."""
+    """(split, padded d, keys per block, threads) for head dim d. GPU: 64 keys a block up to d = 128 (53 KB of
+    shared memory, 4 warps; launch bounds of three blocks an SM), 32 past it (88 KB, 8 warps; one block an
+    SM: its O, S and staging registers take more than the 128 a thread two blocks would leave)."""
     split = 2 if d > SPLIT_FROM else 1
     dp = -(-d // (16 * split)) * 16 * split
     bn = 16 if SIMULATED else (64 if d <= 128 else 32)
@@ -67,12 +68,13 @@ def _make_flash(dp, split, bn, causal, control):
     per_k = -(-(bn * half_words) // threads)
     per_v = -(-(dp * bn // 2) // threads)
     red = threads if SIMULATED else 1       # team_max's shared floats (the simulator has no shuffles)
+    pairs, s_regs, o_regs = 2 * BATCH, 4 * nt_s, 4 * nt_o     # local array sizes (constants)
 
     @jit(device=True, forceinline=True)
     def stage_rows(sh, at, x, t0, hh, n, d, rows, per, tid):
         """Rows t0.. of head hh of x (zeros past n and d) as bf16 pairs at sh[at + r qs + w]: a batch of
         global loads, then the stores."""
-        vals = cuda.local.array(2 * BATCH, float32)
+        vals = cuda.local.array(pairs, float32)
         for b in range(0, per, BATCH):
             for e in range(BATCH):
                 idx = u(tid) + u((b + e) * threads)
@@ -90,7 +92,7 @@ def _make_flash(dp, split, bn, causal, control):
     def stage_vt(sh, v, t0, hh, n, d, tid):
         """V^T of keys t0.. of head hh: word (dim, j) holds keys t0 + 2j, t0 + 2j + 1; a warp covers 8 dims x
         4 key pairs (distinct banks: the row stride is 4 mod 8)."""
-        vals = cuda.local.array(2 * BATCH, float32)
+        vals = cuda.local.array(pairs, float32)
         lane, warp = u(tid % 32), u(tid // 32)
         for b in range(0, per_v, BATCH):
             for e in range(BATCH):
@@ -106,7 +108,7 @@ def _make_flash(dp, split, bn, causal, control):
                 if j < u(bn // 2) and b + e < per_v:
                     sh[u(ov) + dim * u(vs) + j] = _pack(vals[2 * e], vals[2 * e + 1])
 
-    @jit(launch_bounds=(threads, 2 if split > 1 else 4))
+    @jit(launch_bounds=(threads, 1 if split > 1 else 3))
     def flash(q, k, v, out, scale):
         n, heads, d = q.shape[0], q.shape[1], q.shape[2]
         h = cuda.blockIdx.y
@@ -120,8 +122,8 @@ def _make_flash(dp, split, bn, causal, control):
         sh = cuda.shared.array(0, uint32)
         shf = cuda.shared.array(0, float32)         # the same memory, as float32 (S partials)
         shr = cuda.shared.array(red, float32)
-        s = cuda.local.array(4 * nt_s, float32)
-        o = cuda.local.array(4 * nt_o, float32)
+        s = cuda.local.array(s_regs, float32)
+        o = cuda.local.array(o_regs, float32)
         for e in range(4 * nt_o):
             o[e] = float32(0.0)
         m0, m1 = NEG_INF, NEG_INF                   # running maxima of the lane's rows row and row + 8
