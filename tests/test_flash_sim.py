@@ -44,6 +44,10 @@ case("L=19 full H=Hkv d=16", 19, 2, 2, 16, False)
 case("L=17 causal H=4Hkv d=32", 17, 4, 1, 32, True)
 case("L=5 full H=2Hkv d=48", 5, 2, 1, 48, False)
 
+flash.BM, flash._kernels = 32, {}     # two warps along the rows (the GPU has four), each pair split over d
+case("BM=32 L=40 causal H=2Hkv d=32", 40, 2, 1, 32, True)
+flash.BM, flash._kernels = 16, {}
+
 # one token attends to itself alone: its value, rounded to bf16, exactly
 v = rng.standard_normal((1, 1, 16)).astype(np.float32)
 got = run(rng.standard_normal((1, 2, 16)).astype(np.float32), rng.standard_normal((1, 1, 16)).astype(np.float32), v,
@@ -65,7 +69,8 @@ def test_flash_attention_edge_shapes_pass_the_gate_and_masked_keys_add_nothing()
                           text=True, timeout=600)
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    for name in ("L=1 causal H=2Hkv d=16", "L=19 full H=Hkv d=16", "L=17 causal H=4Hkv d=32", "L=5 full H=2Hkv d=48"):
+    for name in ("L=1 causal H=2Hkv d=16", "L=19 full H=Hkv d=16", "L=17 causal H=4Hkv d=32", "L=5 full H=2Hkv d=48",
+                 "BM=32 L=40 causal H=2Hkv d=32"):
         assert f"{name} pass" in done.stdout, done.stdout
     assert "self True" in done.stdout, done.stdout
     assert "masked True True" in done.stdout, done.stdout
