@@ -25,7 +25,7 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import elementwise, embedding, gdn, gdn_chunk, gdn_setup, layout, mma, norms, rope_attention
+    from . import elementwise, embedding, flash, gdn, gdn_chunk, gdn_setup, layout, mma, norms, rope_attention
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -60,6 +60,8 @@ def _signatures():
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128), (f1, f1, s3, f2, f2, f1, f1, f3)),
         "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
+        "flash_attention_d256_causal": (flash.kernel(256, True)[0], (s3, s3, s3, f3, t.float32)),
+        "flash_attention_d128": (flash.kernel(128, False)[0], (s3, s3, s3, f3, t.float32)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),
     }

@@ -174,6 +174,8 @@ def main():
     parser.add_argument("--out", default="encoder_9b.json")
     parser.add_argument("--chunk-from", type=int, default=None,
                         help="prompt length from which the delta rule runs chunked (default: cuda_table's)")
+    parser.add_argument("--attention", choices=("products", "flash"), default=None,
+                        help="the attention form (default: cuda_table's)")
     args = parser.parse_args()
     result = {}
     config = text_config(CONFIG)
@@ -194,6 +196,9 @@ def main():
     if args.chunk_from is not None:
         ops.chunk_from = args.chunk_from
     result["chunk_from"] = ops.chunk_from
+    if args.attention is not None:
+        ops.attention_form = args.attention
+    result["attention_form"] = ops.attention_form
     for n, ids in prompts.items():
         layers = []
         eager = enc(ids, on_layer=lambda i, x: layers.append(ops.host(x)))     # eager, one launch per op

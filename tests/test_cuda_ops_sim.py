@@ -1,7 +1,7 @@
 """The CUDA op table's data-movement and elementwise logic (slices, broadcasts, norms over 3-D arrays,
-RoPE, the GDN ops, the bf16 embedding) equals the float64 numpy table, run in the CUDA simulator.
+RoPE, the GDN ops, the bf16 embedding, flash attention) equals the float64 numpy table, run in the CUDA simulator.
 
-The tensor-core products (linear, attention) need cuBLAS and are checked on the GPU (tests/gpu)."""
+The cuBLAS products (linear, the "products" attention) are checked on the GPU (tests/gpu)."""
 
 import os
 import subprocess
@@ -116,6 +116,12 @@ check("gdn_gates g", got[0], want[0], 1e-5)
 check("gdn_gates beta", got[1], want[1], 1e-5)
 check("causal_conv1d silu, strided x", gpu.causal_conv1d(wide[:, 24:48], d(cw), activate=True),
       ref.causal_conv1d(x2 * 4, cw, activate=True), 1e-5)
+gpu.attention_form = "flash"      # bf16 q, k, v and probabilities on the tensor cores' statement
+qa, kva = r(6, 4, 16), d(r(6, 64))
+ka, va = gpu.reshape(kva[:, :32], (6, 2, 16)), gpu.reshape(kva[:, 32:], (6, 2, 16))
+check("attention flash, strided k v", gpu.attention(d(qa), ka, va, 0.25, causal=True),
+      ref.attention(qa, gpu.host(ka), gpu.host(va), 0.25, causal=True), 2 ** -6)
+gpu.attention_form = "products"
 table = r(10, 8).astype(ml_dtypes.bfloat16)
 ids = np.array([3, 0, 9, 3])
 check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)

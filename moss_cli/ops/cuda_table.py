@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, gdn, gdn_chunk, layout, norms, rope_attention
+from cuda_kernels import elementwise, embedding as emb, flash, gdn, gdn_chunk, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas
 
@@ -104,6 +104,7 @@ class CudaOps:
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
+        self.attention_form = "products"   # or "flash" (bf16 tensor cores, no scores buffer; not yet measured)
         self._last_cast = None
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
         # up) write bf16 rather than float32: half the bytes written and read, as transformers' bf16 does
@@ -401,6 +402,10 @@ class CudaOps:
         return out
 
     def attention(self, q, k, v, scale, causal=False):
+        if self.attention_form == "flash":      # q, k, v of any strides
+            out = self.new(q.shape)
+            flash.flash_attention(q, k, v, out, scale, causal, stream=self.stream)
+            return out
         # the batched products take k and v with their row stride (column blocks of a product); q contiguous
         q = self._contiguous(q)
         out = self.new((q.shape[0], q.shape[1], v.shape[2]))
