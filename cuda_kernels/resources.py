@@ -57,6 +57,8 @@ def _signatures():
         "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f3)),
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
+        "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),
+                                   (f1, f1, f1, f1, f3, f3)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),
     }
