@@ -245,6 +245,23 @@ def _read16(sh, at, down, scale):
             scale * sh[lo + n3], scale * sh[lo + n3 + one], scale * sh[hi + n3], scale * sh[hi + n3 + one])
 
 
+@jit(device=True, forceinline=True)
+def _write8(sh, lo, hi, sa, sb, y):
+    """Two n tiles of a lane's accumulator places (_strip's order, y 8 values): sa y into the row at lo, sb y
+    into the row 8 on at hi, the second tile 8 columns on."""
+    n1, one = uint64(8), uint64(1)
+    sh[lo], sh[lo + one], sh[hi], sh[hi + one] = sa * y[0], sa * y[1], sb * y[2], sb * y[3]
+    sh[lo + n1], sh[lo + n1 + one], sh[hi + n1], sh[hi + n1 + one] = sa * y[4], sa * y[5], sb * y[6], sb * y[7]
+
+
+@jit(device=True, forceinline=True)
+def _diff8(sh, lo, hi, y):
+    """The values at _write8's places minus y."""
+    n1, one = uint64(8), uint64(1)
+    return (sh[lo] - y[0], sh[lo + one] - y[1], sh[hi] - y[2], sh[hi + one] - y[3],
+            sh[lo + n1] - y[4], sh[lo + n1 + one] - y[5], sh[hi + n1] - y[6], sh[hi + n1 + one] - y[7])
+
+
 def walk_layout(cols, dk, variant="tile"):
     """The walk's flat shared arrays: {name: (offset, row stride)} and the float count. Rows are padded to
     whole 16-row tiles (zeros), and each row stride is chosen for conflict-free fragment reads: 4 mod 32
@@ -436,15 +453,21 @@ def _make_walk(control, cols, threads, dk, variant="tile"):
             cuda.syncthreads()
             if live:
                 at = xs + u(256) * u(half)
-                i, j = r0 + row, n0 + 16 * half + 2 * quad
-                first(sh, on_q, i, j, keep[0] + sh[at])
-                first(sh, on_q, i, j + 1, keep[1] + sh[at + u(32)])
-                first(sh, on_q, i + 8, j, keep[2] + sh[at + u(64)])
-                first(sh, on_q, i + 8, j + 1, keep[3] + sh[at + u(96)])
-                first(sh, on_q, i, j + 8, keep[4] + sh[at + u(128)])
-                first(sh, on_q, i, j + 9, keep[5] + sh[at + u(160)])
-                first(sh, on_q, i + 8, j + 8, keep[6] + sh[at + u(192)])
-                first(sh, on_q, i + 8, j + 9, keep[7] + sh[at + u(224)])
+                y = (keep[0] + sh[at], keep[1] + sh[at + u(32)], keep[2] + sh[at + u(64)], keep[3] + sh[at + u(96)],
+                     keep[4] + sh[at + u(128)], keep[5] + sh[at + u(160)], keep[6] + sh[at + u(192)],
+                     keep[7] + sh[at + u(224)])
+                i = r0 + row
+                lo = u(i) * u(bs) + u(n0 + 16 * half + 2 * quad)
+                hi = lo + u(8 * bs)
+                if on_q:                  # e^G (Q S)
+                    ga, gb = sh[u(og) + u(i)], sh[u(og) + u(i + 8)]
+                    if control:
+                        ga, gb = f0, f0
+                    _write8(sh, u(oo) + lo, u(oo) + hi, ga, gb, y)
+                else:                     # D = U - W S and E = e^(G_n - G) D
+                    dd = _diff8(sh, u(ou) + lo, u(ou) + hi, y)
+                    _write8(sh, u(od) + lo, u(od) + hi, float32(1.0), float32(1.0), dd)
+                    _write8(sh, u(oe) + lo, u(oe) + hi, sh[u(og + cp) + u(i)], sh[u(og + cp) + u(i + 8)], dd)
 
     @jit(device=True, forceinline=True)
     def strips_second(sh, out, t0, hv, col0, warp, row, quad, lane, decay):
@@ -464,22 +487,27 @@ def _make_walk(control, cols, threads, dk, variant="tile"):
                 c = _strip(sh, u(op) + u(r0 + row) * u(ap) + u(quad), u(8 * ap), u(4), u(8),
                            u(od) + u(quad) * u(bs) + u(n0 + row), u(4 * bs), u(8 * bs), cp // 8, c)
             if warp + it * warps < strips2:
-                second(sh, out, on_s, t0, hv, col0, i, j, c[0])
-                second(sh, out, on_s, t0, hv, col0, i, j + 1, c[1])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j, c[2])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 1, c[3])
-                second(sh, out, on_s, t0, hv, col0, i, j + 8, c[4])
-                second(sh, out, on_s, t0, hv, col0, i, j + 9, c[5])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 8, c[6])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 9, c[7])
-                second(sh, out, on_s, t0, hv, col0, i, j + 16, c[8])
-                second(sh, out, on_s, t0, hv, col0, i, j + 17, c[9])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 16, c[10])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 17, c[11])
-                second(sh, out, on_s, t0, hv, col0, i, j + 24, c[12])
-                second(sh, out, on_s, t0, hv, col0, i, j + 25, c[13])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 24, c[14])
-                second(sh, out, on_s, t0, hv, col0, i + 8, j + 25, c[15])
+                if on_s:                  # the new state: one branch, the stores paired
+                    lo = u(os) + u(i) * u(bs) + u(j)
+                    _write8(sh, lo, lo + u(8 * bs), float32(1.0), float32(1.0), c[:8])
+                    _write8(sh, lo + u(16), lo + u(8 * bs + 16), float32(1.0), float32(1.0), c[8:])
+                else:
+                    second(sh, out, False, t0, hv, col0, i, j, c[0])
+                    second(sh, out, False, t0, hv, col0, i, j + 1, c[1])
+                    second(sh, out, False, t0, hv, col0, i + 8, j, c[2])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 1, c[3])
+                    second(sh, out, False, t0, hv, col0, i, j + 8, c[4])
+                    second(sh, out, False, t0, hv, col0, i, j + 9, c[5])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 8, c[6])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 9, c[7])
+                    second(sh, out, False, t0, hv, col0, i, j + 16, c[8])
+                    second(sh, out, False, t0, hv, col0, i, j + 17, c[9])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 16, c[10])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 17, c[11])
+                    second(sh, out, False, t0, hv, col0, i, j + 24, c[12])
+                    second(sh, out, False, t0, hv, col0, i, j + 25, c[13])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 24, c[14])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 25, c[15])
 
     step_first, step_second = (strips_first, strips_second) if variant == "strip" else (tiles_first, tiles_second)
 
