@@ -30,13 +30,24 @@ SUB = 2 if SIMULATED else 16             # rows of the triangular solve's diagon
 # The walk: (state columns per block, a multiple of 8; threads per block, whole warps). One block per
 # SM at the GPU default (its staged operands take ~180 KB of shared memory at dk = 128): 32 value heads x
 # 4 column blocks fill the H200's 132 SMs once.
+# A third element "strip" selects the register-blocked walk (_make_walk): each warp a 16 x 32 strip of
+# four n tiles, one A fragment read per k step for four mma. It needs columns in 32s and an even warp count.
 WALK = (16, 64) if SIMULATED else (32, 512)
+WALK_STRIP = (32, 64, "strip") if SIMULATED else (32, 512, "strip")
+VARIANTS = ("tile", "strip")
 DK_MAX = 16 if SIMULATED else 128
 
 
+def walk_variant(walk):
+    """(columns, threads, variant) of a walk geometry: (cols, threads) is the tile variant."""
+    cols, threads, *rest = walk
+    return cols, threads, (rest[0] if rest else "tile")
+
+
 def walk_name(walk):
-    """A walk geometry as the benchmarks label it: "walk32x512"."""
-    return "walk{}x{}".format(*walk)
+    """A walk geometry as the benchmarks label it: "walk32x512", "walk32x512s" for the strip variant."""
+    cols, threads, variant = walk_variant(walk)
+    return "walk{}x{}{}".format(cols, threads, "s" if variant == "strip" else "")
 
 
 # --- kernels -------------------------------------------------------------------------------------
@@ -203,13 +214,65 @@ def _tile(sh, a, a8, a4, ak, b, b4, bk, steps, c0, c1, c2, c3):
     return c0, c1, c2, c3
 
 
-def walk_layout(cols, dk):
+@jit(device=True, forceinline=True)
+def _strip(sh, a, a8, a4, ak, b, b4, bk, steps, c):
+    """C + A B for a 16 x 32 strip, four m16n8 tiles side by side, as _tile with n tile t's b0 at b + 8 t:
+    each k step reads the A fragment once for four mma (12 shared loads per 4 mma; _tile reads 6 per mma).
+    c and the result: the 16 accumulators, tile by tile (c[4 t : 4 t + 4] as _tile's c0..c3), written out
+    by name (a tuple indexed at run time would become compare chains)."""
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = c
+    n1, n2, n3 = uint64(8), uint64(16), uint64(24)
+    for _ in range(steps):
+        x0, x1, x2, x3 = sh[a], sh[a + a8], sh[a + a4], sh[a + a8 + a4]
+        c0, c1, c2, c3 = mma_tf32(x0, x1, x2, x3, sh[b], sh[b + b4], c0, c1, c2, c3)
+        c4, c5, c6, c7 = mma_tf32(x0, x1, x2, x3, sh[b + n1], sh[b + b4 + n1], c4, c5, c6, c7)
+        c8, c9, c10, c11 = mma_tf32(x0, x1, x2, x3, sh[b + n2], sh[b + b4 + n2], c8, c9, c10, c11)
+        c12, c13, c14, c15 = mma_tf32(x0, x1, x2, x3, sh[b + n3], sh[b + b4 + n3], c12, c13, c14, c15)
+        a += ak
+        b += bk
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+@jit(device=True, forceinline=True)
+def _read16(sh, at, down, scale):
+    """scale times the 16 values of a 16 x 32 strip at a lane's accumulator places, in _strip's order: the
+    lane's (row, 2 quad) at `at`, its row + 8 `down` on, n tile t 8 t columns on."""
+    n1, n2, n3, one = uint64(8), uint64(16), uint64(24), uint64(1)
+    lo, hi = at, at + down
+    return (scale * sh[lo], scale * sh[lo + one], scale * sh[hi], scale * sh[hi + one],
+            scale * sh[lo + n1], scale * sh[lo + n1 + one], scale * sh[hi + n1], scale * sh[hi + n1 + one],
+            scale * sh[lo + n2], scale * sh[lo + n2 + one], scale * sh[hi + n2], scale * sh[hi + n2 + one],
+            scale * sh[lo + n3], scale * sh[lo + n3 + one], scale * sh[hi + n3], scale * sh[hi + n3 + one])
+
+
+@jit(device=True, forceinline=True)
+def _write8(sh, lo, hi, sa, sb, y):
+    """Two n tiles of a lane's accumulator places (_strip's order, y 8 values): sa y into the row at lo, sb y
+    into the row 8 on at hi, the second tile 8 columns on."""
+    n1, one = uint64(8), uint64(1)
+    sh[lo], sh[lo + one], sh[hi], sh[hi + one] = sa * y[0], sa * y[1], sb * y[2], sb * y[3]
+    sh[lo + n1], sh[lo + n1 + one], sh[hi + n1], sh[hi + n1 + one] = sa * y[4], sa * y[5], sb * y[6], sb * y[7]
+
+
+@jit(device=True, forceinline=True)
+def _diff8(sh, lo, hi, y):
+    """The values at _write8's places minus y."""
+    n1, one = uint64(8), uint64(1)
+    return (sh[lo] - y[0], sh[lo + one] - y[1], sh[hi] - y[2], sh[hi + one] - y[3],
+            sh[lo + n1] - y[4], sh[lo + n1 + one] - y[5], sh[hi + n1] - y[6], sh[hi + n1 + one] - y[7])
+
+
+def walk_layout(cols, dk, variant="tile"):
     """The walk's flat shared arrays: {name: (offset, row stride)} and the float count. Rows are padded to
     whole 16-row tiles (zeros), and each row stride is chosen for conflict-free fragment reads: 4 mod 32
-    for A read along rows (W, Q, P), 8 mod 32 for A read down columns (K) and for every B operand."""
+    for A read along rows (W, Q, P), 8 mod 32 for A read down columns (K) and for every B operand. The
+    strip variant adds "x", after the rest (not zeroed): the two k halves' exchange of step (1), 512 floats
+    per 16 x 32 strip (two halves of 8 values x 32 lanes, lane-linear: conflict-free)."""
     cp, kp = -(-CHUNK // 16) * 16, -(-dk // 16) * 16
     rows = {"w": (cp, kp + 4), "q": (cp, kp + 4), "k": (cp, kp + 8), "p": (cp, cp + 4), "u": (cp, cols + 8),
             "d": (cp, cols + 8), "e": (cp, cols + 8), "o": (cp, cols + 8), "s": (kp, cols + 8), "g": (2, cp)}
+    if variant == "strip":
+        rows["x"] = (2 * (cp // 16) * (cols // 32) * 16, 32)
     out, at = {}, 0
     for name, (n, stride) in rows.items():
         out[name] = (at, stride)
@@ -217,19 +280,23 @@ def walk_layout(cols, dk):
     return out, at
 
 
-def _make_walk(control, cols, threads, dk):
+def _make_walk(control, cols, threads, dk, variant="tile"):
     """The serial pass over chunks for one (value head, block of `cols` state columns) per block, key dim
     dk, everything it multiplies staged in shared memory (walk_layout). Each chunk:
       (1) D = U - W S, E = e^(G_n - G) D and O = e^G (Q S);
       (2) O + P D to the output, S <- e^(G_n) S + K^T E.
-    Each warp takes m16n8 tiles in turn (_tile; warps past the last tile compute one and store nothing,
-    so every warp issues the same mma count: the simulator's statement of the instruction synchronises
-    the block). The operands come in by asynchronous 16-byte copies (mma.copy16) of coalesced rows, each
+    variant "tile": each warp takes m16n8 tiles in turn (_tile: 6 shared loads per mma). Variant "strip":
+    each warp takes 16 x 32 strips, four n tiles on one A fragment (_strip: 3 loads per mma); step (1)'s
+    strips (4 of D, 4 of O at the GPU's dk = 128) have their k range in two halves, one warp each (16
+    items for 16 warps), the halves' partial sums exchanged through shared memory (a barrier) and added
+    in a fixed order; step (2)'s 12 strips (4 of O + P D, 8 of the state) take whole k. Either way warps
+    past the last item compute one and store nothing, so every warp issues the same mma count (the
+    simulator's statement of the instruction synchronises the block). The operands come in by asynchronous 16-byte copies (mma.copy16) of coalesced rows, each
     stage one commit group that lands while a step computes: K and P of chunk c during step (1) of chunk c,
     W, Q and U of chunk c + 1 during step (2); no registers hold them on the way.
     q and k come straight from the op's inputs, scaled by e^G in the products' epilogues.
     control: the output without the entry state's read e^G Q S."""
-    lay, _ = walk_layout(cols, dk)
+    lay, _ = walk_layout(cols, dk, variant)
     cp, kp = -(-CHUNK // 16) * 16, -(-dk // 16) * 16
     warps, ntl = threads // 32, cols // 8                 # n tiles of 8 columns
     items1, items2 = 2 * (cp // 16) * ntl, (cp // 16 + kp // 16) * ntl
@@ -300,6 +367,150 @@ def _make_walk(control, cols, threads, dk):
         elif i < CHUNK and t0 + i < out.shape[0] and col0 + j < out.shape[2]:
             out[t0 + i, hv, col0 + j] = x
 
+    @jit(device=True, forceinline=True)
+    def tiles_first(sh, warp, row, quad, lane):
+        """Step (1) of the tile variant."""
+        # (1) D = U - W S (tiles below items1 / 2), e^G (Q S) (the rest)
+        for it in range(rounds1):
+            item = min(warp + it * warps, items1 - 1)
+            on_q = item >= items1 // 2
+            part = item - items1 // 2 if on_q else item
+            r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
+            a = u(oq if on_q else ow) + u(r0 + row) * u(aw) + u(quad)
+            b = u(os) + u(quad) * u(bs) + u(n0 + row)
+            f0 = float32(0.0)
+            c0, c1, c2, c3 = _tile(sh, a, u(8 * aw), u(4), u(8), b, u(4 * bs), u(8 * bs), kp // 8,
+                                   f0, f0, f0, f0)
+            if warp + it * warps < items1:
+                i, j = r0 + row, n0 + 2 * quad
+                first(sh, on_q, i, j, c0)
+                first(sh, on_q, i, j + 1, c1)
+                first(sh, on_q, i + 8, j, c2)
+                first(sh, on_q, i + 8, j + 1, c3)
+
+    @jit(device=True, forceinline=True)
+    def tiles_second(sh, out, t0, hv, col0, warp, row, quad, lane, decay):
+        """Step (2) of the tile variant."""
+        # (2) O + P D to the output (tiles below cp / 16 ntl), S <- e^(G_n) S + K^T E (the rest)
+        for it in range(rounds2):
+            item = min(warp + it * warps, items2 - 1)
+            on_s = item >= (cp // 16) * ntl
+            part = item - (cp // 16) * ntl if on_s else item
+            r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
+            i, j = r0 + row, n0 + 2 * quad
+            if on_s:
+                at = u(os) + u(i) * u(bs) + u(j)
+                c0, c1 = decay * sh[at], decay * sh[at + u(1)]
+                c2, c3 = decay * sh[at + u(8 * bs)], decay * sh[at + u(8 * bs + 1)]
+                a = u(ok) + u(quad) * u(ak) + u(r0 + row)
+                c0, c1, c2, c3 = _tile(sh, a, u(8), u(4 * ak), u(8 * ak), u(oe) + u(quad) * u(bs) + u(n0 + row),
+                                       u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
+            else:
+                at = u(oo) + u(i) * u(bs) + u(j)
+                c0, c1 = sh[at], sh[at + u(1)]
+                c2, c3 = sh[at + u(8 * bs)], sh[at + u(8 * bs + 1)]
+                a = u(op) + u(r0 + row) * u(ap) + u(quad)
+                c0, c1, c2, c3 = _tile(sh, a, u(8 * ap), u(4), u(8), u(od) + u(quad) * u(bs) + u(n0 + row),
+                                       u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
+            if warp + it * warps < items2:
+                second(sh, out, on_s, t0, hv, col0, i, j, c0)
+                second(sh, out, on_s, t0, hv, col0, i, j + 1, c1)
+                second(sh, out, on_s, t0, hv, col0, i + 8, j, c2)
+                second(sh, out, on_s, t0, hv, col0, i + 8, j + 1, c3)
+
+    # the strip variant: 16 x 32 strips (_strip). Step (1): each strip of D (the first strips1 / 2) or O
+    # has its k range in two halves, items 2 s and 2 s + 1 (the same round: warps is even); half h
+    # finishes n tiles 2 h and 2 h + 1, its partner's partial sums for them through "x". Step (2): a
+    # strip of O + P D (the first cp / 16 nst) or of the state, whole k.
+    nst = cols // 32
+    strips1, strips2 = 2 * (cp // 16) * nst, (cp // 16 + kp // 16) * nst
+    items1s = 2 * strips1
+    srounds1, srounds2 = -(-items1s // warps), -(-strips2 // warps)
+    khalf = kp // 2                                       # a multiple of 8
+    ox = lay["x"][0] if variant == "strip" else 0
+
+    @jit(device=True, forceinline=True)
+    def strips_first(sh, warp, row, quad, lane):
+        """Step (1) of the strip variant."""
+        f0 = float32(0.0)
+        for it in range(srounds1):
+            item = min(warp + it * warps, items1s - 1)
+            strip, half = item // 2, item % 2
+            on_q = strip >= strips1 // 2
+            part = strip - strips1 // 2 if on_q else strip
+            r0, n0 = 16 * (part // nst), 32 * (part % nst)
+            a = u(oq if on_q else ow) + u(r0 + row) * u(aw) + u(half * khalf + quad)
+            b = u(os) + u(half * khalf + quad) * u(bs) + u(n0 + row)
+            c = _strip(sh, a, u(8 * aw), u(4), u(8), b, u(4 * bs), u(8 * bs), khalf // 8,
+                       (f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0, f0))
+            keep, give = (c[:8], c[8:]) if half == 0 else (c[8:], c[:8])
+            xs = u(ox) + u(strip) * u(512) + u(lane)
+            live = warp + it * warps < items1s
+            if live:                  # the partner's tiles, into its half of the strip's exchange
+                at = xs + u(256) * u(1 - half)
+                sh[at], sh[at + u(32)], sh[at + u(64)], sh[at + u(96)] = give[0], give[1], give[2], give[3]
+                sh[at + u(128)], sh[at + u(160)], sh[at + u(192)], sh[at + u(224)] = give[4], give[5], give[6], give[7]
+            cuda.syncthreads()
+            if live:
+                at = xs + u(256) * u(half)
+                y = (keep[0] + sh[at], keep[1] + sh[at + u(32)], keep[2] + sh[at + u(64)], keep[3] + sh[at + u(96)],
+                     keep[4] + sh[at + u(128)], keep[5] + sh[at + u(160)], keep[6] + sh[at + u(192)],
+                     keep[7] + sh[at + u(224)])
+                i = r0 + row
+                lo = u(i) * u(bs) + u(n0 + 16 * half + 2 * quad)
+                hi = lo + u(8 * bs)
+                if on_q:                  # e^G (Q S)
+                    ga, gb = sh[u(og) + u(i)], sh[u(og) + u(i + 8)]
+                    if control:
+                        ga, gb = f0, f0
+                    _write8(sh, u(oo) + lo, u(oo) + hi, ga, gb, y)
+                else:                     # D = U - W S and E = e^(G_n - G) D
+                    dd = _diff8(sh, u(ou) + lo, u(ou) + hi, y)
+                    _write8(sh, u(od) + lo, u(od) + hi, float32(1.0), float32(1.0), dd)
+                    _write8(sh, u(oe) + lo, u(oe) + hi, sh[u(og + cp) + u(i)], sh[u(og + cp) + u(i + 8)], dd)
+
+    @jit(device=True, forceinline=True)
+    def strips_second(sh, out, t0, hv, col0, warp, row, quad, lane, decay):
+        """Step (2) of the strip variant."""
+        for it in range(srounds2):
+            item = min(warp + it * warps, strips2 - 1)
+            on_s = item >= (cp // 16) * nst
+            part = item - (cp // 16) * nst if on_s else item
+            r0, n0 = 16 * (part // nst), 32 * (part % nst)
+            i, j = r0 + row, n0 + 2 * quad
+            c = _read16(sh, (u(os) if on_s else u(oo)) + u(i) * u(bs) + u(j), u(8 * bs),
+                        decay if on_s else float32(1.0))
+            if on_s:
+                c = _strip(sh, u(ok) + u(quad) * u(ak) + u(r0 + row), u(8), u(4 * ak), u(8 * ak),
+                           u(oe) + u(quad) * u(bs) + u(n0 + row), u(4 * bs), u(8 * bs), cp // 8, c)
+            else:
+                c = _strip(sh, u(op) + u(r0 + row) * u(ap) + u(quad), u(8 * ap), u(4), u(8),
+                           u(od) + u(quad) * u(bs) + u(n0 + row), u(4 * bs), u(8 * bs), cp // 8, c)
+            if warp + it * warps < strips2:
+                if on_s:                  # the new state: one branch, the stores paired
+                    lo = u(os) + u(i) * u(bs) + u(j)
+                    _write8(sh, lo, lo + u(8 * bs), float32(1.0), float32(1.0), c[:8])
+                    _write8(sh, lo + u(16), lo + u(8 * bs + 16), float32(1.0), float32(1.0), c[8:])
+                else:
+                    second(sh, out, False, t0, hv, col0, i, j, c[0])
+                    second(sh, out, False, t0, hv, col0, i, j + 1, c[1])
+                    second(sh, out, False, t0, hv, col0, i + 8, j, c[2])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 1, c[3])
+                    second(sh, out, False, t0, hv, col0, i, j + 8, c[4])
+                    second(sh, out, False, t0, hv, col0, i, j + 9, c[5])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 8, c[6])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 9, c[7])
+                    second(sh, out, False, t0, hv, col0, i, j + 16, c[8])
+                    second(sh, out, False, t0, hv, col0, i, j + 17, c[9])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 16, c[10])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 17, c[11])
+                    second(sh, out, False, t0, hv, col0, i, j + 24, c[12])
+                    second(sh, out, False, t0, hv, col0, i, j + 25, c[13])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 24, c[14])
+                    second(sh, out, False, t0, hv, col0, i + 8, j + 25, c[15])
+
+    step_first, step_second = (strips_first, strips_second) if variant == "strip" else (tiles_first, tiles_second)
+
     @jit(launch_bounds=(threads, 1))
     def walk(uw, p, q, k, gam, out):
         hv, col0, tid = cuda.blockIdx.x, cuda.blockIdx.y * cols, cuda.threadIdx.x
@@ -329,23 +540,7 @@ def _make_walk(control, cols, threads, dk):
                 sh[u(og + cp) + u(tid)] = math.exp(gam[hv, c, CHUNK - 1] - gv)
             copy_wait_prior()        # W, Q and U of this chunk (staged during the last step (2))
             cuda.syncthreads()
-            # (1) D = U - W S (tiles below items1 / 2), e^G (Q S) (the rest)
-            for it in range(rounds1):
-                item = min(warp + it * warps, items1 - 1)
-                on_q = item >= items1 // 2
-                part = item - items1 // 2 if on_q else item
-                r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
-                a = u(oq if on_q else ow) + u(r0 + row) * u(aw) + u(quad)
-                b = u(os) + u(quad) * u(bs) + u(n0 + row)
-                f0 = float32(0.0)
-                c0, c1, c2, c3 = _tile(sh, a, u(8 * aw), u(4), u(8), b, u(4 * bs), u(8 * bs), kp // 8,
-                                       f0, f0, f0, f0)
-                if warp + it * warps < items1:
-                    i, j = r0 + row, n0 + 2 * quad
-                    first(sh, on_q, i, j, c0)
-                    first(sh, on_q, i, j + 1, c1)
-                    first(sh, on_q, i + 8, j, c2)
-                    first(sh, on_q, i + 8, j + 1, c3)
+            step_first(sh, warp, row, quad, lane)
             copy_wait()              # K and P
             cuda.syncthreads()
             if c + 1 < chunks:       # the next chunk's W, Q and U land during step (2)
@@ -353,32 +548,7 @@ def _make_walk(control, cols, threads, dk):
                           tid)
             copy_commit()
             decay = math.exp(gam[hv, c, CHUNK - 1])
-            # (2) O + P D to the output (tiles below cp / 16 ntl), S <- e^(G_n) S + K^T E (the rest)
-            for it in range(rounds2):
-                item = min(warp + it * warps, items2 - 1)
-                on_s = item >= (cp // 16) * ntl
-                part = item - (cp // 16) * ntl if on_s else item
-                r0, n0 = 16 * (part // ntl), 8 * (part % ntl)
-                i, j = r0 + row, n0 + 2 * quad
-                if on_s:
-                    at = u(os) + u(i) * u(bs) + u(j)
-                    c0, c1 = decay * sh[at], decay * sh[at + u(1)]
-                    c2, c3 = decay * sh[at + u(8 * bs)], decay * sh[at + u(8 * bs + 1)]
-                    a = u(ok) + u(quad) * u(ak) + u(r0 + row)
-                    c0, c1, c2, c3 = _tile(sh, a, u(8), u(4 * ak), u(8 * ak), u(oe) + u(quad) * u(bs) + u(n0 + row),
-                                           u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
-                else:
-                    at = u(oo) + u(i) * u(bs) + u(j)
-                    c0, c1 = sh[at], sh[at + u(1)]
-                    c2, c3 = sh[at + u(8 * bs)], sh[at + u(8 * bs + 1)]
-                    a = u(op) + u(r0 + row) * u(ap) + u(quad)
-                    c0, c1, c2, c3 = _tile(sh, a, u(8 * ap), u(4), u(8), u(od) + u(quad) * u(bs) + u(n0 + row),
-                                           u(4 * bs), u(8 * bs), cp // 8, c0, c1, c2, c3)
-                if warp + it * warps < items2:
-                    second(sh, out, on_s, t0, hv, col0, i, j, c0)
-                    second(sh, out, on_s, t0, hv, col0, i, j + 1, c1)
-                    second(sh, out, on_s, t0, hv, col0, i + 8, j, c2)
-                    second(sh, out, on_s, t0, hv, col0, i + 8, j + 1, c3)
+            step_second(sh, out, t0, hv, col0, warp, row, quad, lane, decay)
             cuda.syncthreads()
     return walk
 
@@ -453,27 +623,30 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
                              setup=None):
     """gdn.gated_delta_rule, CHUNK tokens at a time; `work` holds the arrays of workspace_shapes. The
     products on tensor cores from TF32 inputs (float32 accumulation). walk: (columns, threads) of the
-    serial pass (default WALK). control: "decay" (P without its decay factors) or "state" (the output
-    without the entry state's read e^G Q S). setup: "fused" or "stages" (default SETUP). stages: run only
-    these of STAGES (staged setup) or FUSED_STAGES (to time them one by one)."""
+    serial pass, or (columns, threads, "strip") for its register-blocked variant (default WALK). control:
+    "decay" (P without its decay factors) or "state" (the output without the entry state's read e^G Q S).
+    setup: "fused" or "stages" (default SETUP). stages: run only these of STAGES (staged setup) or
+    FUSED_STAGES (to time them one by one)."""
     setup = setup or SETUP
     if setup not in ("fused", "stages"):
         raise ValueError(f"unknown chunk setup {setup!r}")
     stages = stages or (STAGES if setup == "stages" else FUSED_STAGES)
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
-    cols, threads = walk or WALK
+    cols, threads, variant = walk_variant(walk or WALK)
     if dk % 8 or dk > DK_MAX or cols % 8 or threads % 32 or max(CHUNK, dk) > THREADS or dv % 4 \
-            or threads % (dk // 4) or threads % (CHUNK // 4) or threads % (cols // 4):
+            or threads % (dk // 4) or threads % (CHUNK // 4) or threads % (cols // 4) or variant not in VARIANTS \
+            or (variant == "strip" and (cols % 32 or threads % 64)):
         raise ValueError(f"chunked delta rule: key dim {dk} must be a multiple of 8 up to {DK_MAX}, the value "
                          f"dim {dv} of 4, and walk {walk} needs columns in eights and whole warps, a multiple "
-                         "of a quarter of the key dim, of the chunk and of its columns")
+                         "of a quarter of the key dim, of the chunk and of its columns; a variant of "
+                         f"{VARIANTS}, the strip variant columns in 32s and an even number of warps")
     r = n_hv // n_hk
     slots = -(-n // CHUNK) + 1
     w = work
     if r not in _prep:
         _prep[r] = _make_prep(r)
-    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk)
+    solve_key, walk_key = (control == "decay", r), (control == "state", cols, threads, dk, variant)
     if solve_key not in _solve:
         _solve[solve_key] = _make_solve(*solve_key)
     if walk_key not in _walk:
@@ -497,19 +670,19 @@ def gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=0, control=None
     if "walk" in stages:
         args = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q.reshape(q.size), k.reshape(k.size),
                 w["gam"], out)
-        nbytes = 4 * walk_layout(cols, dk)[1]
+        nbytes = 4 * walk_layout(cols, dk, variant)[1]
         allow_shared(_walk[walk_key], args, nbytes)
         _walk[walk_key][(n_hv, -(-dv // cols)), threads, stream, nbytes](*args)
 
 
-def _run(inp, control, kind="decay", setup=None):
+def _run(inp, control, kind="decay", setup=None, walk=None):
     arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     n, n_hk, dk = inp["q"].shape
     n_hv, dv = inp["v"].shape[1:]
     work = {name: cuda.device_array(shape, np.float32)
             for name, shape in workspace_shapes(n, n_hk, n_hv, dk, dv, setup).items()}
     out = cuda.device_array(inp["v"].shape, np.float32)
-    gated_delta_rule_chunked(*arrays, out, work, control=kind if control else None, setup=setup)
+    gated_delta_rule_chunked(*arrays, out, work, control=kind if control else None, setup=setup, walk=walk)
     return out.copy_to_host()
 
 
@@ -606,4 +779,7 @@ CASES = [
          notes="the setup as four launches (prep, gram, solve, [U | W]); control: P without its decay factors"),
     Case("gated_delta_rule_chunk_walk", _make_inputs, lambda i, c: _run(i, c, kind="state"), _ref_chunked,
          notes="control: the output without the entry state's read e^G Q S (the walk)"),
+    Case("gated_delta_rule_chunk_walk_strip", _make_inputs, lambda i, c: _run(i, c, kind="state", walk=WALK_STRIP),
+         _ref_chunked, notes="the strip walk (WALK_STRIP); control: the output without the entry state's read "
+                             "e^G Q S"),
 ]

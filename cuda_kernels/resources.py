@@ -62,6 +62,8 @@ def _signatures():
         "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
         "flash_attention_d256_causal": (flash.kernel(256, True)[0], (s3, s3, s3, f3, t.float32)),
         "flash_attention_d128": (flash.kernel(128, False)[0], (s3, s3, s3, f3, t.float32)),
+        "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),
+                                   (f1, f1, f1, f1, f3, f3)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),
     }

@@ -31,17 +31,15 @@ CONFIG = {"text_config": {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
 # other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
-WALKS = [(16, 256), (32, 256), (32, 512)]
+WALKS = [(32, 512), (32, 256, "strip"), (32, 512, "strip")]
 # the same graph with one choice changed (CudaOps attributes; "form" is the encoder's), each timed at both
 # lengths with its final rows' error against float64 (so a faster choice shows what it costs)
 VARIANTS = {
     "recurrent_delta": {"form": "recurrent"},
     "chunked_delta": {"chunk_from": 0},
     "staged_setup": {"delta_setup": "stages"},
-    "staged_setup_chunked": {"delta_setup": "stages", "chunk_from": 0},
-    "f32_mlp_products": {"narrow_products": False},
+    "bf16_mlp_products": {"narrow_products": True},
     "flash_attention": {"attention_form": "flash"},
-    "products_attention": {"attention_form": "products"},
 }
 
 

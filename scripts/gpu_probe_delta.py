@@ -4,7 +4,7 @@ whose time stays when its grid shrinks waits on latency inside a block; one whos
 is bound by a shared resource (memory or L2 bandwidth). Timings only: shrunken grids compute wrong values.
 "empty_graph_node" is a one-block walk over zero tokens: the replay's own cost, in every other number.
 
-    python scripts/gpu_probe_delta.py --out probe.json [--n 112]
+    python scripts/gpu_probe_delta.py --out probe.json [--n 112] [--walk 32,512,strip]
 """
 
 import argparse
@@ -24,7 +24,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="probe.json")
     parser.add_argument("--n", type=int, default=1024)
+    parser.add_argument("--walk", default=None, help="cols,threads[,strip] (default gdn_chunk.WALK)")
     args = parser.parse_args()
+    walk_geometry = gc.WALK if args.walk is None else tuple(int(x) if x.isdigit() else x for x in args.walk.split(","))
     ops = CudaOps()
     inp = inputs(args.n)
     q, k, v, g, beta = (cuda.to_device(inp[x]) for x in ("q", "k", "v", "g", "beta"))
@@ -32,8 +34,8 @@ def main():
     shapes = gc.workspace_shapes(n, HK, HV, DK, DV, "stages")
     w = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
     out = cuda.device_array(v.shape, np.float32)
-    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="stages")
-    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="fused")
+    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="stages", walk=walk_geometry)
+    gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="fused", walk=walk_geometry)
     cuda.synchronize()
     setup = gs._setup[(False, HV // HK, DK, DV, gc.CHUNK, gc.SUB)]
     sargs = (q.reshape(q.size), k.reshape(k.size), v, g, beta, w["uw"].reshape(w["uw"].size),
@@ -43,11 +45,11 @@ def main():
     slots = -(-n // gc.CHUNK) + 1
     prep = gc._prep[r]
     solve = gc._solve[(False, r)]
-    cols, threads = gc.WALK
-    walk = gc._walk[(False, cols, threads, DK)]
+    cols, threads, variant = gc.walk_variant(walk_geometry)
+    walk = gc._walk[(False, cols, threads, DK, variant)]
     wargs = (w["uw"].reshape(w["uw"].size), w["p"].reshape(w["p"].size), q.reshape(q.size), k.reshape(k.size),
              w["gam"], out)
-    nbytes = 4 * gc.walk_layout(cols, DK)[1]
+    nbytes = 4 * gc.walk_layout(cols, DK, variant)[1]
     allow_shared(walk, wargs, nbytes)
     empty = wargs[:5] + (out[:0],)
 
@@ -66,7 +68,7 @@ def main():
         "walk_1block": lambda s: walk[(1, 1), threads, s, nbytes](*wargs),
         "empty_graph_node": lambda s: walk[(1, 1), threads, s, nbytes](*empty),
     }
-    result = {"n": n, "walk": list(gc.WALK)}
+    result = {"n": n, "walk": list(walk_geometry)}
     for name, launch in runs.items():
         try:
             result[name + "_ms"] = timed(launch)

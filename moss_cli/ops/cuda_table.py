@@ -104,11 +104,14 @@ class CudaOps:
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
-        self.attention_form = "products"   # or "flash" (bf16 tensor cores, no scores buffer; not yet measured)
+        # "products" (TF32 cuBLAS + softmax) or "flash" (flash.py, bf16 tensor cores, no scores buffer: on the
+        # H200 in run Q 358 us a layer at 1000 tokens against ~200 for the products, so not the default yet)
+        self.attention_form = "products"
         self._last_cast = None
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
-        # up) write bf16 rather than float32: half the bytes written and read, as transformers' bf16 does
-        self.narrow_products = True
+        # up) may write bf16 rather than float32, as transformers' bf16 does. Off: on the H200 (run Q) the
+        # gate/up product gained 0.18 ms per 1000-token encode and swiglu reading bf16 lost 0.59
+        self.narrow_products = False
 
     # --- memory -------------------------------------------------------------------------------
     def new(self, shape, dtype=np.float32):

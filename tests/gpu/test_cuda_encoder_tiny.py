@@ -1,8 +1,8 @@
 """On a GPU: the tiny checkpoint's encoder rows from the CUDA op table match the CPU float32 rows.
 
 Gate: the GPU rounds each linear's input to bf16 (relative error at most u = 2^-8 per rounding), and
-the MLP's gate and up projections' outputs (ops.narrow_products); along the longest path of a forward
-there are m = 5 roundings per layer + 1, which adds up (randomly signed) to sqrt(m) u; we allow 4x that
+the MLP's gate and up projections' outputs where ops.narrow_products is set; along the longest path of a
+forward there are at most m = 5 roundings per layer + 1, which adds up (randomly signed) to sqrt(m) u; we allow 4x that
 for the network's amplification of random weights.
 """
 
