@@ -13,14 +13,17 @@ v between them (~80 MB a layer at 1024 tokens); here q and k arrive by asynchron
 
 import math
 
+import numpy as np
 from numba import cuda, float32, uint64
 
 from . import gdn_chunk as gc
 from .core import SIMULATED, allow_shared, jit
-from .mma import copy16, copy_commit, copy_wait, mma_tf32
+from .mma import clock, copy16, copy_commit, copy_wait, mma_tf32
 
 THREADS = 64 if SIMULATED else 256     # whole warps, at least CHUNK (the scan, the solve's columns)
 STRIP = 2 if SIMULATED else 4          # n tiles of 8 columns per warp item of [U | W]: one A fragment each
+# The phases a timed kernel stamps (the SM's cycle counter, thread 0 of each block; scripts/gpu_probe_delta.py)
+PHASES = ("start", "scan", "staged", "grams", "k_scaled", "diagonal", "block_rows", "v_scaled", "end")
 
 
 def setup_layout(dk, dv):
@@ -43,8 +46,9 @@ def setup_layout(dk, dv):
     return lay, lay["e"] + cp
 
 
-def _make_setup(control, r, dk, dv):
-    """The kernel for r value heads per key head and dims dk, dv (control: P without its decay factors)."""
+def _make_setup(control, r, dk, dv, timed=False):
+    """The kernel for r value heads per key head and dims dk, dv (control: P without its decay factors;
+    timed: thread 0 writes the cycle counter at each of PHASES into stamps[block])."""
     chunk, sub = gc.CHUNK, gc.SUB
     lay, total = setup_layout(dk, dv)
     cp, kp, vp, row = lay["cp"], lay["kp"], lay["vp"], lay["row"]
@@ -70,6 +74,11 @@ def _make_setup(control, r, dk, dv):
     kstep = nt // gk
     per_k, per_v = -(-chunk // kstep), -(-(chunk * dv) // nt)
     u = uint64
+
+    @jit(device=True, forceinline=True)
+    def stamp(stamps, phase):
+        if timed and cuda.threadIdx.x == 0:
+            stamps[cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x, phase] = clock()
 
     @jit(device=True, forceinline=True)
     def gram_tile(sh, on_a, r0, n0, lane):
@@ -100,7 +109,8 @@ def _make_setup(control, r, dk, dv):
             uw[ubase + u(i) * u(wide) + u(col)] = x
 
     @jit(launch_bounds=(nt, 2))
-    def setup(q, k, v, g, beta, uw, p, gam):
+    def setup(q, k, v, g, beta, uw, p, gam, stamps):
+        stamp(stamps, 0)
         hv, c, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         rw, quad = lane // 4, lane % 4
@@ -127,6 +137,7 @@ def _make_setup(control, r, dk, dv):
                 copy16(sh, u(o2) + i * u(qs) + d, k, src, live)
         copy_commit()
         vr = cuda.local.array(per_v, float32)
+        xc = cuda.local.array(sub, float32)
         last = max(n - 1, 0)
         for j in range(per_v):
             e = tid + j * nt
@@ -151,8 +162,10 @@ def _make_setup(control, r, dk, dv):
             gv = sh[u(og) + u(tid)]
             sh[u(oe) + u(tid)] = math.exp(gv)
             gam[hv, c, tid] = gv
+        stamp(stamps, 1)
         copy_wait()
         cuda.syncthreads()
+        stamp(stamps, 2)
         # the grams, lower-triangle tiles only: P to the walk, A into r3
         pbase = cr * u(chunk)
         for it in range(rounds_g):
@@ -176,6 +189,7 @@ def _make_setup(control, r, dk, dv):
             if j >= 16 * (i // 16) + 16:
                 p[pbase + u(idx)] = float32(0.0)
         cuda.syncthreads()
+        stamp(stamps, 3)
         # beta e^G K into r1 (Q is done with), before T takes K's place in r2
         for idx in range(u(tid), u(cp * kp), u(nt)):
             i, dd = idx // u(kp), idx % u(kp)
@@ -186,17 +200,26 @@ def _make_setup(control, r, dk, dv):
         for idx in range(u(tid), u(cp * row), u(nt)):
             sh[u(o2) + idx] = float32(0.0)
         cuda.syncthreads()
-        # T = (I + A)^-1: the diagonal blocks, one thread per column, rows in order
+        stamp(stamps, 4)
+        # T = (I + A)^-1: the diagonal blocks, one thread per column, rows in order; the column's values
+        # stay in registers (xc), each row's sum over all earlier rows of the block (the entries above the
+        # column's diagonal are zero), every loop constant so that the loads of a row issue together
         ors = u(o2 + cp * row)
         if tid < chunk:
             bse, col = u(tid - tid % sub), u(tid)
             for i in range(sub):
+                xc[i] = float32(0.0)
+            for i in range(sub):
                 ri = bse + u(i)
                 s = float32(1.0) if ri == col else float32(0.0)
-                for l in range(col - bse, u(i)):
-                    s -= sh[u(o3) + ri * u(row) + bse + u(l)] * sh[u(o2) + (bse + u(l)) * u(row) + col]
+                arow = u(o3) + ri * u(row) + bse
+                for l in range(sub):
+                    if l < i:
+                        s -= sh[arow + u(l)] * xc[l]
+                xc[i] = s
                 sh[u(o2) + ri * u(row) + col] = s
         cuda.syncthreads()
+        stamp(stamps, 5)
         # block rows below: R_ij = sum_(j<=l<i) A_il T_lj, then T_ij = -T_ii R_ij, for all j < i together
         for bi in range(1, nb):
             top = u(bi * sub)
@@ -204,8 +227,12 @@ def _make_setup(control, r, dk, dv):
                 j, e = idx // sq, idx % sq
                 rr, cc = u(e // sub), u(j * sub + e % sub)
                 acc = float32(0.0)
-                for l in range(u(j * sub), top):
-                    acc += sh[u(o3) + (top + rr) * u(row) + l] * sh[u(o2) + l * u(row) + cc]
+                for lb in range(j, bi):           # sub-blocks of the sum, each a constant (unrolled) run
+                    l0 = u(lb * sub)
+                    arow = u(o3) + (top + rr) * u(row) + l0
+                    tcol = u(o2) + l0 * u(row) + cc
+                    for l in range(sub):
+                        acc += sh[arow + u(l)] * sh[tcol + u(l) * u(row)]
                 sh[ors + rr * u(row) + cc] = acc
             cuda.syncthreads()
             for idx in range(tid, bi * sq, nt):
@@ -216,6 +243,7 @@ def _make_setup(control, r, dk, dv):
                     acc -= sh[u(o2) + (top + rr) * u(row) + top + mm] * sh[ors + mm * u(row) + cc]
                 sh[u(o2) + (top + rr) * u(row) + cc] = acc
             cuda.syncthreads()
+        stamp(stamps, 6)
         # beta V into r3 (A is done with)
         for j in range(per_v):
             e = tid + j * nt
@@ -223,6 +251,7 @@ def _make_setup(control, r, dk, dv):
                 i, dd = e // dv, e % dv
                 sh[u(o3) + u(i) * u(vs) + u(dd)] = sh[u(ob) + u(i)] * vr[j]
         cuda.syncthreads()
+        stamp(stamps, 7)
         # [U | W] = T [beta V | beta e^G K]: each item a 16-row block by STRIP n tiles, one A fragment a step
         ubase = cr * u(wide)
         acc = cuda.local.array(nacc, float32)
@@ -255,26 +284,32 @@ def _make_setup(control, r, dk, dv):
                     uw_out(uw, ubase, i, j + 1, acc[4 * t + 1])
                     uw_out(uw, ubase, i + 8, j, acc[4 * t + 2])
                     uw_out(uw, ubase, i + 8, j + 1, acc[4 * t + 3])
+        stamp(stamps, 8)
     return setup
 
 
-_setup = {}
+_setup, _no_stamps = {}, []
 
 
-def chunk_setup(q, k, v, g, beta, uw, p, gam, stream=0, control=False):
+def chunk_setup(q, k, v, g, beta, uw, p, gam, stream=0, control=False, stamps=None):
     """uw, p and gam of gdn_chunk's workspace (flat uw and p, [heads, slots, CHUNK] gam) for every chunk,
     from q, k [n, key heads, dk] (contiguous), v [n, value heads, dv] (any strides), g, beta [n, value
-    heads]. control: P without its decay factors."""
+    heads]. control: P without its decay factors. stamps: an int64 array [blocks, len(PHASES)] for the
+    timed kernel's cycle counts (a probe), None for the plain kernel."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
     if dk % 4 or THREADS % (dk // 4) or gc.CHUNK > THREADS or gc.CHUNK % gc.SUB:
         raise ValueError(f"chunk setup: key dim {dk} must be a multiple of 4 dividing 4 x {THREADS}, and the "
                          f"chunk {gc.CHUNK} at most {THREADS // gc.PARTS} in whole blocks of {gc.SUB}")
-    key = (control, n_hv // n_hk, dk, dv, gc.CHUNK, gc.SUB)
+    key = (control, n_hv // n_hk, dk, dv, gc.CHUNK, gc.SUB, stamps is not None)
     if key not in _setup:
-        _setup[key] = _make_setup(*key[:4])
+        _setup[key] = _make_setup(*key[:4], timed=key[6])
     kernel = _setup[key]
-    args = (q.reshape(q.size), k.reshape(k.size), v, g, beta, uw.reshape(uw.size), p.reshape(p.size), gam)
+    if stamps is None:
+        if not _no_stamps:
+            _no_stamps.append(cuda.device_array((1, len(PHASES)), np.int64))
+        stamps = _no_stamps[0]
+    args = (q.reshape(q.size), k.reshape(k.size), v, g, beta, uw.reshape(uw.size), p.reshape(p.size), gam, stamps)
     nbytes = 4 * setup_layout(dk, dv)[1]
     allow_shared(kernel, args, nbytes)
     kernel[(n_hv, -(-n // gc.CHUNK)), THREADS, stream, nbytes](*args)

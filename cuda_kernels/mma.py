@@ -205,6 +205,25 @@ def _copy_nothing_stated():
     return
 
 
+@intrinsic
+def _clock_ptx(typingctx):
+    """The SM's cycle counter (%clock64), ordered against memory accesses: for timing a kernel's phases."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), "mov.u64 $0, %clock64;", "=l,~{memory}",
+                           side_effect=True)
+        return builder.call(asm, [])
+    return sig, codegen
+
+
+@jit(device=True)
+def _clock_stated():
+    """The simulator has no cycle counter: zero."""
+    return np.int64(0)
+
+
+clock = _clock_stated if SIMULATED else _clock_ptx
 copy16 = _copy16_stated if SIMULATED else _copy16_ptx
 copy_commit = _copy_nothing_stated if SIMULATED else _copy_commit_ptx
 copy_wait_prior = _copy_nothing_stated if SIMULATED else _copy_wait_prior_ptx

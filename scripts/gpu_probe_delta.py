@@ -37,9 +37,9 @@ def main():
     gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="stages", walk=walk_geometry)
     gc.gated_delta_rule_chunked(q, k, v, g, beta, out, w, setup="fused", walk=walk_geometry)
     cuda.synchronize()
-    setup = gs._setup[(False, HV // HK, DK, DV, gc.CHUNK, gc.SUB)]
+    setup = gs._setup[(False, HV // HK, DK, DV, gc.CHUNK, gc.SUB, False)]
     sargs = (q.reshape(q.size), k.reshape(k.size), v, g, beta, w["uw"].reshape(w["uw"].size),
-             w["p"].reshape(w["p"].size), w["gam"])
+             w["p"].reshape(w["p"].size), w["gam"], gs._no_stamps[0])
     sbytes = 4 * gs.setup_layout(DK, DV)[1]
     r = HV // HK
     slots = -(-n // gc.CHUNK) + 1
@@ -69,6 +69,20 @@ def main():
         "empty_graph_node": lambda s: walk[(1, 1), threads, s, nbytes](*empty),
     }
     result = {"n": n, "walk": list(walk_geometry)}
+    # the setup's phases in cycles (%clock64 of thread 0 at each of gdn_setup.PHASES): the median over
+    # blocks of each phase's span, and each block's whole span
+    blocks = HV * -(-n // gc.CHUNK)
+    stamps = cuda.device_array((blocks, len(gs.PHASES)), np.int64)
+    for _ in range(3):
+        gs.chunk_setup(q, k, v, g, beta, w["uw"], w["p"], w["gam"], stamps=stamps)
+    cuda.synchronize()
+    st = stamps.copy_to_host().astype(np.float64)
+    spans = np.diff(st, axis=1)
+    result["setup_phase_cycles_median"] = {f"{a}->{b}": float(np.median(spans[:, i]))
+                                           for i, (a, b) in enumerate(zip(gs.PHASES, gs.PHASES[1:]))}
+    result["setup_block_cycles_median"] = float(np.median(st[:, -1] - st[:, 0]))
+    print("setup phases (cycles, median over blocks):", result["setup_phase_cycles_median"],
+          result["setup_block_cycles_median"], flush=True)
     for name, launch in runs.items():
         try:
             result[name + "_ms"] = timed(launch)
