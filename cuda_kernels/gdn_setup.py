@@ -61,7 +61,8 @@ def _make_setup(control, r, dk, dv, timed=False):
     rbs = cp // 16
     per_m = rbs * (rbs + 1)                       # lower-triangle m16n8 tiles of a cp x cp gram
     items_g, items_u = 2 * per_m, rbs * ((vp + kp) // (8 * STRIP))
-    rounds_g, rounds_u = -(-items_g // warps), -(-items_u // warps)
+    rounds_u = -(-items_u // warps)
+    pairs_g = -(-items_g // (2 * warps))          # gram rounds of two tiles a warp (two accumulator chains)
     strips_v = vp // (8 * STRIP)
     strips = strips_v + kp // (8 * STRIP)
     # T is lower triangular, so a row block of [U | W] needs only the tokens up to its own end. Where the
@@ -72,7 +73,8 @@ def _make_setup(control, r, dk, dv, timed=False):
     nacc = 4 * strip
     gk = dk // 4
     kstep = nt // gk
-    per_k, per_v = -(-chunk // kstep), -(-(chunk * dv) // nt)
+    vstep = nt // dv                              # rows of v a pass (each thread one value column)
+    per_k, per_v = -(-chunk // kstep), -(-chunk // vstep)
     u = uint64
 
     @jit(device=True, forceinline=True)
@@ -81,13 +83,48 @@ def _make_setup(control, r, dk, dv, timed=False):
             stamps[cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x, phase] = clock()
 
     @jit(device=True, forceinline=True)
-    def gram_tile(sh, on_a, r0, n0, lane):
-        """One m16n8 tile of Q K^T (or K K^T when on_a) from the staged rows, k over kp in steps of 8."""
+    def gram_item(item):
+        """(on_a, r0, n0) of gram tile `item`: P's lower-triangle tiles, then A's (row block b has 2 (b + 1))."""
+        on_a = item >= per_m
+        e = item - per_m if on_a else item
+        rb = 0
+        while e >= 2 * (rb + 1):
+            e -= 2 * (rb + 1)
+            rb += 1
+        return on_a, 16 * rb, 8 * e
+
+    @jit(device=True, forceinline=True)
+    def gram_pair(sh, on_a, r0, n0, on_a2, r2, n2, lane):
+        """Two m16n8 tiles of Q K^T (or K K^T when on_a) from the staged rows, k over kp in steps of 8, their
+        two accumulator chains interleaved (one tile's mma latency hides behind the other's)."""
         rw, quad = lane // 4, lane % 4
         a = u(o2 if on_a else o1) + u(r0 + rw) * u(qs) + u(quad)
         b = u(o2) + u(n0 + rw) * u(qs) + u(quad)
-        f0 = float32(0.0)
-        return gc._tile(sh, a, u(8 * qs), u(4), u(8), b, u(4), u(8), kp // 8, f0, f0, f0, f0)
+        a2 = u(o2 if on_a2 else o1) + u(r2 + rw) * u(qs) + u(quad)
+        b2 = u(o2) + u(n2 + rw) * u(qs) + u(quad)
+        c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = float32(0.0)
+        for _ in range(kp // 16):         # two k steps a pass (kp is a multiple of 16): more loads in flight
+            c0, c1, c2, c3 = mma_tf32(sh[a], sh[a + u(8 * qs)], sh[a + u(4)], sh[a + u(8 * qs + 4)], sh[b],
+                                      sh[b + u(4)], c0, c1, c2, c3)
+            d0, d1, d2, d3 = mma_tf32(sh[a2], sh[a2 + u(8 * qs)], sh[a2 + u(4)], sh[a2 + u(8 * qs + 4)], sh[b2],
+                                      sh[b2 + u(4)], d0, d1, d2, d3)
+            c0, c1, c2, c3 = mma_tf32(sh[a + u(8)], sh[a + u(8 * qs + 8)], sh[a + u(12)], sh[a + u(8 * qs + 12)],
+                                      sh[b + u(8)], sh[b + u(12)], c0, c1, c2, c3)
+            d0, d1, d2, d3 = mma_tf32(sh[a2 + u(8)], sh[a2 + u(8 * qs + 8)], sh[a2 + u(12)],
+                                      sh[a2 + u(8 * qs + 12)], sh[b2 + u(8)], sh[b2 + u(12)], d0, d1, d2, d3)
+            a += u(16)
+            b += u(16)
+            a2 += u(16)
+            b2 += u(16)
+        return c0, c1, c2, c3, d0, d1, d2, d3
+
+    @jit(device=True, forceinline=True)
+    def gram_store(sh, p, pbase, on_a, r0, n0, lane, c0, c1, c2, c3):
+        i, j = r0 + lane // 4, n0 + 2 * (lane % 4)
+        gram_out(sh, p, pbase, on_a, i, j, c0)
+        gram_out(sh, p, pbase, on_a, i, j + 1, c1)
+        gram_out(sh, p, pbase, on_a, i + 8, j, c2)
+        gram_out(sh, p, pbase, on_a, i + 8, j + 1, c3)
 
     @jit(device=True, forceinline=True)
     def gram_out(sh, p, pbase, on_a, i, j, x):
@@ -139,11 +176,6 @@ def _make_setup(control, r, dk, dv, timed=False):
         vr = cuda.local.array(per_v, float32)
         xc = cuda.local.array(sub, float32)
         last = max(n - 1, 0)
-        for j in range(per_v):
-            e = tid + j * nt
-            i, dd = e // dv, e % dv
-            x = v[min(t0 + min(i, chunk - 1), last), hv, dd]
-            vr[j] = x if e < chunk * dv and i < m else float32(0.0)
         if tid < chunk:
             tt = min(t0 + tid, last)
             gv, bv = g[tt, hv], beta[tt, hv]
@@ -168,26 +200,23 @@ def _make_setup(control, r, dk, dv, timed=False):
         stamp(stamps, 2)
         # the grams, lower-triangle tiles only: P to the walk, A into r3
         pbase = cr * u(chunk)
-        for it in range(rounds_g):
-            item = min(warp + it * warps, items_g - 1)
-            on_a = item >= per_m
-            e = item - per_m if on_a else item
-            rb = 0
-            while e >= 2 * (rb + 1):
-                e -= 2 * (rb + 1)
-                rb += 1
-            r0, n0 = 16 * rb, 8 * e
-            c0, c1, c2, c3 = gram_tile(sh, on_a, r0, n0, lane)
-            if warp + it * warps < items_g:
-                i, j = r0 + rw, n0 + 2 * quad
-                gram_out(sh, p, pbase, on_a, i, j, c0)
-                gram_out(sh, p, pbase, on_a, i, j + 1, c1)
-                gram_out(sh, p, pbase, on_a, i + 8, j, c2)
-                gram_out(sh, p, pbase, on_a, i + 8, j + 1, c3)
+        for it in range(pairs_g):         # items warp + (2 it) warps and warp + (2 it + 1) warps
+            first, second = warp + 2 * it * warps, warp + (2 * it + 1) * warps
+            on_a, r0, n0 = gram_item(min(first, items_g - 1))
+            on_a2, r2, n2 = gram_item(min(second, items_g - 1))
+            c0, c1, c2, c3, d0, d1, d2, d3 = gram_pair(sh, on_a, r0, n0, on_a2, r2, n2, lane)
+            if first < items_g:
+                gram_store(sh, p, pbase, on_a, r0, n0, lane, c0, c1, c2, c3)
+            if second < items_g:
+                gram_store(sh, p, pbase, on_a2, r2, n2, lane, d0, d1, d2, d3)
         for idx in range(tid, chunk * chunk, nt):    # P's tiles above the diagonal blocks: zeros
             i, j = idx // chunk, idx % chunk
             if j >= 16 * (i // 16) + 16:
                 p[pbase + u(idx)] = float32(0.0)
+        # v's rows for beta V (in flight through the K scaling and the solve), one value column a thread
+        vd, vi0 = u(tid % dv), u(tid // dv)
+        for j in range(per_v):
+            vr[j] = v[min(u(t0) + vi0 + u(j * vstep), u(last)), u(hv), vd]
         cuda.syncthreads()
         stamp(stamps, 3)
         # beta e^G K into r1 (Q is done with), before T takes K's place in r2
@@ -245,11 +274,10 @@ def _make_setup(control, r, dk, dv, timed=False):
             cuda.syncthreads()
         stamp(stamps, 6)
         # beta V into r3 (A is done with)
-        for j in range(per_v):
-            e = tid + j * nt
-            if e < chunk * dv:
-                i, dd = e // dv, e % dv
-                sh[u(o3) + u(i) * u(vs) + u(dd)] = sh[u(ob) + u(i)] * vr[j]
+        for j in range(per_v):            # (rows past the prompt have beta 0)
+            i = vi0 + u(j * vstep)
+            if i < u(chunk):
+                sh[u(o3) + i * u(vs) + vd] = sh[u(ob) + i] * vr[j]
         cuda.syncthreads()
         stamp(stamps, 7)
         # [U | W] = T [beta V | beta e^G K]: each item a 16-row block by STRIP n tiles, one A fragment a step
@@ -298,9 +326,10 @@ def chunk_setup(q, k, v, g, beta, uw, p, gam, stream=0, control=False, stamps=No
     timed kernel's cycle counts (a probe), None for the plain kernel."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
-    if dk % 4 or THREADS % (dk // 4) or gc.CHUNK > THREADS or gc.CHUNK % gc.SUB:
-        raise ValueError(f"chunk setup: key dim {dk} must be a multiple of 4 dividing 4 x {THREADS}, and the "
-                         f"chunk {gc.CHUNK} at most {THREADS // gc.PARTS} in whole blocks of {gc.SUB}")
+    if dk % 4 or THREADS % (dk // 4) or THREADS % dv or gc.CHUNK > THREADS or gc.CHUNK % gc.SUB:
+        raise ValueError(f"chunk setup: key dim {dk} must be a multiple of 4 dividing 4 x {THREADS}, the value "
+                         f"dim {dv} divide {THREADS}, and the chunk {gc.CHUNK} be at most {THREADS} in whole "
+                         f"blocks of {gc.SUB}")
     key = (control, n_hv // n_hk, dk, dv, gc.CHUNK, gc.SUB, stamps is not None)
     if key not in _setup:
         _setup[key] = _make_setup(*key[:4], timed=key[6])

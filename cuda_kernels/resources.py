@@ -60,7 +60,7 @@ def _signatures():
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128),
                               (f1, f1, s3, f2, f2, f1, f1, f3, a(t.int64, 2))),
-        "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
+        "delta_chunk_walk": (gdn_chunk._make_walk(False, 32, 512, 128), (f1, f1, f1, f1, f3, f3)),
         "flash_attention_d256_causal": (flash.kernel(256, True)[0], (s3, s3, s3, f3, t.float32)),
         "flash_attention_d128": (flash.kernel(128, False)[0], (s3, s3, s3, f3, t.float32)),
         "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),

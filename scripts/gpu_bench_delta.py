@@ -20,7 +20,7 @@ HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 256, 512, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
 # the chunked form's serial pass: (state columns, threads) per block, "strip": the register-blocked variant
-WALKS = [(32, 512), (32, 256, "strip"), (32, 512, "strip")]
+WALKS = [(32, 512), (32, 512, "strip")]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
 GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
 

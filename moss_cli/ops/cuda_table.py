@@ -29,9 +29,10 @@ from ..encoder import Qwen35Encoder, text_config
 # token-serial delta rule its time), of 64 up to 2048, of 256 up to MAX_TOKENS. One graph per bucket.
 MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
-# by token (gdn). On the H200 at the 9B shapes (BENCHMARKS.md, run O) the two forms take the same time near
-# 256 tokens; the chunked form is 1.19 times faster at 512 and 1.55 times at 1024.
-CHUNK_FROM = 320
+# by token (gdn). On the H200 at the 9B shapes (run Q, the fused setup) the token recurrence is faster at
+# 112 tokens (0.050 against 0.059 ms a layer), the chunked form at 256 (0.076 against 0.103): they cross
+# near 150 tokens.
+CHUNK_FROM = 160
 
 
 class _View:
