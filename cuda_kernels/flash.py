@@ -35,12 +35,16 @@ BATCH = 8                              # the pre-pass's loads per batch (then th
 NEG_INF = np.float32(-np.inf)
 
 
+KEYS_WIDE = 64                         # keys a block past SPLIT_FROM (32: 125 KB of shared memory, 203 registers)
+
+
 def geometry(d):
-    """(split, padded d, keys per block, threads) for head dim d. GPU: 64 keys a block up to d = 128 (4 warps),
-    32 past it (8 warps, two per 16 rows)."""
+    """(split, padded d, keys per block, threads) for head dim d. GPU: 64 keys a block up to d = 128 (4 warps,
+    87 KB of shared memory: two blocks an SM), KEYS_WIDE past it (8 warps, two per 16 rows; 64 keys: 203 KB,
+    one block an SM)."""
     split = 2 if d > SPLIT_FROM else 1
     dp = -(-d // (16 * split)) * 16 * split
-    bn = 16 if SIMULATED else (64 if d <= 128 else 32)
+    bn = 16 if SIMULATED else (64 if d <= 128 else KEYS_WIDE)
     return split, dp, bn, 32 * (BM // 16) * split
 
 
