@@ -1,16 +1,21 @@
 """Flash attention, forward: softmax(scale q k^T) v per head without a scores buffer, its two products on bf16
 tensor cores (mma.mma_bf16, float32 accumulators) and an online softmax in float32 (FlashAttention-2).
 
-One block per (block of BM query rows, head). Each warp owns 16 query rows; past SPLIT_FROM head dims two
-warps share the same 16 rows and split d (each its half of O, <= 64 accumulators a thread, and its half of
-S = Q K^T's contraction, the two partials summed through shared memory in one fixed order so both warps
-hold the same S). Q is staged once, K and V per block of BN keys, all rounded to bf16 on the way into
-shared memory (the inputs are float32 of any strides, so no cp.async: each thread issues a batch of
-global loads, then narrows and stores them). Rows are padded to a stride of 4 mod 8 words so fragment
-reads hit distinct banks; V is staged transposed (V^T rows of key pairs), so each B register of O += P V
-is one 32-bit shared load. P goes from S's accumulators to the A fragments of P V in registers (an
-m16n8 C tile pair is an m16n8k16 A tile). Causal: key blocks up to the diagonal, the longest query blocks
-launched first.
+Two kernels. The pre-pass (`_make_prep`) reads q, k, v once (float32, any strides) and writes them rounded
+to bf16 into a workspace (workspace_shapes) in head-major layouts of 32-bit words (bf16 pairs), rows zero-
+padded to a multiple of PREP_ROWS tokens: Q [H, Lp, dp / 2], K [Hkv, Lp, dp / 2] and V^T [Hkv, dp, Lp / 2]
+(word (dim, j) holds keys 2j, 2j + 1: each B register of O += P V is one 32-bit shared load); V goes through
+a shared tile so both its reads and its writes are coalesced.
+
+The attention kernel: one block per (block of BM query rows, head). Each warp owns 16 query rows; past
+SPLIT_FROM head dims two warps share the same 16 rows and split d (each its half of O, <= 64 accumulators
+a thread, and its half of S = Q K^T's contraction, the two partials summed through shared memory in one
+fixed order so both warps hold the same S). Every tile comes in by asynchronous 16-byte copies (mma.copy16,
+no registers on the way, no bounds checks: the workspace is padded): Q once, K and V^T double-buffered, the
+next key block's tiles in flight while the current one computes (one barrier per key block). Rows are
+padded to a stride of 4 mod 8 words so fragment reads hit distinct banks. P goes from S's accumulators to
+the A fragments of P V in registers (an m16n8 C tile pair is an m16n8k16 A tile). Causal: key blocks up to
+the diagonal, the longest query blocks launched first.
 """
 
 import math
@@ -20,38 +25,121 @@ from numba import cuda, float32, uint32, uint64
 
 from .core import EPS16, EPS32, SIMULATED, Case, allow_shared, from_bf16_bits, gamma, heads_view, jit, narrow, \
     team_max, team_sum, to_bf16_bits
-from .mma import mma_bf16
+from .mma import copy16, copy_wait, copy_commit, mma_bf16
 
 BM = 16 if SIMULATED else 64           # query rows per block, 16 per warp (times the split)
 SPLIT_FROM = 16 if SIMULATED else 128  # head dims past which two warps share 16 rows and split d
-BATCH = 8                              # staged words (bf16 pairs) per batch of global loads
+PREP_ROWS = 64                         # the workspace's rows are padded to a multiple of this (>= BM, keys a block)
+PREP_THREADS = 32 if SIMULATED else 256
+BATCH = 8                              # the pre-pass's loads per batch (then the stores)
 NEG_INF = np.float32(-np.inf)
 
 
+KEYS_WIDE = 64                         # keys a block past SPLIT_FROM (32: 125 KB of shared memory, 203 registers)
+
+
 def geometry(d):
-    """(split, padded d, keys per block, threads) for head dim d. GPU: 64 keys a block up to d = 128 (53 KB of
-    shared memory, 4 warps; launch bounds of three blocks an SM), 32 past it (88 KB, 8 warps; one block an
-    SM: its O, S and staging registers take more than the 128 a thread two blocks would leave)."""
+    """(split, padded d, keys per block, threads) for head dim d. GPU: 64 keys a block up to d = 128 (4 warps,
+    87 KB of shared memory: two blocks an SM), KEYS_WIDE past it (8 warps, two per 16 rows; 64 keys: 203 KB,
+    one block an SM)."""
     split = 2 if d > SPLIT_FROM else 1
     dp = -(-d // (16 * split)) * 16 * split
-    bn = 16 if SIMULATED else (64 if d <= 128 else 32)
+    bn = 16 if SIMULATED else (64 if d <= 128 else KEYS_WIDE)
     return split, dp, bn, 32 * (BM // 16) * split
+
+
+def padded_rows(n):
+    return -(-n // PREP_ROWS) * PREP_ROWS
+
+
+def workspace_shapes(n, heads, kv_heads, d):
+    """The bf16-pair (uint32) work arrays of one call, flat: Q [H, Lp, dp / 2], K [Hkv, Lp, dp / 2], V^T
+    [Hkv, dp, Lp / 2]."""
+    dp, lp = geometry(d)[1], padded_rows(n)
+    return {"q": (heads * lp * dp // 2,), "k": (kv_heads * lp * dp // 2,), "v": (kv_heads * dp * lp // 2,)}
 
 
 def shared_layout(dp, bn, split):
     """Word offsets (32-bit: bf16 pairs, or float32 partials of S) and row strides of the staged tiles:
-    Q [BM, dp / 2], K [bn, dp / 2], V^T [dp, bn / 2], and the split's S partials; and the word count."""
+    Q [BM, dp / 2], two buffers of K [bn, dp / 2] then V^T [dp, bn / 2] (buffer b at k + b * buf, its V^T
+    at + vrel), and the split's S partials; and the word count."""
     qs, vs = dp // 2 + 4, bn // 2 + 4
-    oq, ok = 0, BM * qs
-    ov = ok + bn * qs
-    ox = ov + dp * vs
-    return {"q": oq, "k": ok, "v": ov, "x": ox, "qs": qs, "vs": vs}, ox + (BM * bn * split if split > 1 else 0)
+    ok = BM * qs
+    vrel = bn * qs
+    buf = vrel + dp * vs
+    ox = ok + 2 * buf
+    return {"q": 0, "k": ok, "vrel": vrel, "buf": buf, "x": ox, "qs": qs, "vs": vs}, \
+        ox + (BM * bn * split if split > 1 else 0)
 
 
 @jit(device=True, forceinline=True)
 def _pack(lo, hi):
     """Two float32 rounded to bf16 (nearest even) in one register, lo in the low half."""
     return uint32(narrow(lo)) | (uint32(narrow(hi)) << uint32(16))
+
+
+def _make_prep(dp):
+    """The pre-pass for padded head dim dp: block (token tile of PREP_ROWS rows, slot), slots the H query heads,
+    then the Hkv key heads, then the Hkv value heads."""
+    u = uint64
+    half, threads, rows = dp // 2, PREP_THREADS, PREP_ROWS
+    per_row = -(-(rows * half) // threads)          # words a thread per tile of Q or K
+    tw = 33                                         # the V tile's row stride (floats)
+    per_vl, per_vs = -(-(rows * 32) // threads), -(-(32 * rows // 2) // threads)
+    pairs, tile_n = 2 * BATCH, rows * tw            # local and shared array sizes (constants)
+
+    @jit(device=True, forceinline=True)
+    def rows_of(x, hh, dst, t0, n, d, lp, tid):
+        vals = cuda.local.array(pairs, float32)
+        for b in range(0, per_row, BATCH):
+            for e in range(BATCH):
+                idx = u(tid) + u((b + e) * threads)
+                r, w = idx // u(half), idx % u(half)
+                live = b + e < per_row and idx < u(rows * half) and u(t0) + r < u(n) and u(2) * w < u(d)
+                vals[2 * e] = x[u(t0) + r, u(hh), u(2) * w] if live else float32(0.0)
+                vals[2 * e + 1] = x[u(t0) + r, u(hh), u(2) * w + u(1)] if live else float32(0.0)
+            for e in range(BATCH):
+                idx = u(tid) + u((b + e) * threads)
+                if b + e < per_row and idx < u(rows * half):
+                    r, w = idx // u(half), idx % u(half)
+                    dst[(u(hh) * u(lp) + u(t0) + r) * u(half) + w] = _pack(vals[2 * e], vals[2 * e + 1])
+
+    @jit(launch_bounds=(threads, 2))
+    def prep(q, k, v, qw, kw, vt):
+        n, heads, d = q.shape[0], q.shape[1], q.shape[2]
+        hkv = k.shape[1]
+        lp = (n + rows - 1) // rows * rows
+        t0 = cuda.blockIdx.x * rows
+        slot = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        if slot < heads:
+            rows_of(q, slot, qw, t0, n, d, lp, tid)
+        elif slot < heads + hkv:
+            rows_of(k, slot - heads, kw, t0, n, d, lp, tid)
+        else:
+            hh = u(slot - heads - hkv)
+            tile = cuda.shared.array(tile_n, float32)
+            vals = cuda.local.array(BATCH, float32)
+            for dc in range(0, dp, 32):         # 32 dims at a time: rows x 32 floats in, 32 x rows / 2 words out
+                cuda.syncthreads()
+                for b in range(0, per_vl, BATCH):
+                    for e in range(BATCH):
+                        idx = u(tid) + u((b + e) * threads)
+                        key, dim = idx // u(32), idx % u(32)
+                        live = b + e < per_vl and u(t0) + key < u(n) and u(dc) + dim < u(d)
+                        vals[e] = v[u(t0) + key, hh, u(dc) + dim] if live else float32(0.0)
+                    for e in range(BATCH):
+                        idx = u(tid) + u((b + e) * threads)
+                        if b + e < per_vl:
+                            tile[(idx // u(32)) * u(tw) + idx % u(32)] = vals[e]
+                cuda.syncthreads()
+                for e in range(per_vs):
+                    idx = u(tid) + u(e * threads)
+                    dim, j = idx // u(rows // 2), idx % u(rows // 2)
+                    if u(dc) + dim < u(dp):
+                        vt[(hh * u(dp) + u(dc) + dim) * u(lp // 2) + u(t0 // 2) + j] = _pack(
+                            tile[u(2) * j * u(tw) + dim], tile[(u(2) * j + u(1)) * u(tw) + dim])
+    return prep
 
 
 def _make_flash(dp, split, bn, causal, control):
@@ -62,85 +150,73 @@ def _make_flash(dp, split, bn, causal, control):
     dw = dp // split                       # O's columns (and S's contraction) per warp
     ks, nt_s, nt_o = dw // 16, bn // 8, dw // 8
     lay, _ = shared_layout(dp, bn, split)
-    oq, ok, ov, ox, qs, vs = (lay[x] for x in ("q", "k", "v", "x", "qs", "vs"))
-    half_words = dp // 2
-    per_qk = -(-(BM * half_words) // threads)      # Q words per thread (K: bn rows)
-    per_k = -(-(bn * half_words) // threads)
-    per_v = -(-(dp * bn // 2) // threads)
+    ok, vrel, buf, ox, qs, vs = (lay[x] for x in ("k", "vrel", "buf", "x", "qs", "vs"))
+    half = dp // 2
+    cq = half // 4                         # 16-byte chunks a row of Q or K
+    cv = bn // 8                           # ... a row of V^T
+    per_q, per_k, per_v = -(-(BM * cq) // threads), -(-(bn * cq) // threads), -(-(dp * cv) // threads)
     red = threads if SIMULATED else 1       # team_max's shared floats (the simulator has no shuffles)
-    pairs, s_regs, o_regs = 2 * BATCH, 4 * nt_s, 4 * nt_o     # local array sizes (constants)
+    s_regs, o_regs = 4 * nt_s, 4 * nt_o     # local array sizes (constants)
 
     @jit(device=True, forceinline=True)
-    def stage_rows(sh, at, x, t0, hh, n, d, rows, per, tid):
-        """Rows t0.. of head hh of x (zeros past n and d) as bf16 pairs at sh[at + r qs + w]: a batch of
-        global loads, then the stores."""
-        vals = cuda.local.array(pairs, float32)
-        for b in range(0, per, BATCH):
-            for e in range(BATCH):
-                idx = u(tid) + u((b + e) * threads)
-                r, w = idx // u(half_words), idx % u(half_words)
-                live = idx < u(rows * half_words) and u(t0) + r < u(n) and u(2) * w < u(d)
-                vals[2 * e] = x[u(t0) + r, u(hh), u(2) * w] if live else float32(0.0)
-                vals[2 * e + 1] = x[u(t0) + r, u(hh), u(2) * w + u(1)] if live else float32(0.0)
-            for e in range(BATCH):
-                idx = u(tid) + u((b + e) * threads)
-                if idx < u(rows * half_words) and b + e < per:
-                    r, w = idx // u(half_words), idx % u(half_words)
-                    sh[u(at) + r * u(qs) + w] = _pack(vals[2 * e], vals[2 * e + 1])
+    def stage_kv(sh, kw, vt, at, hk, k0, lp, tid):
+        """Copies (asynchronous) of key rows k0.. of K and their columns of V^T into the buffer at `at`."""
+        kb = (u(hk) * u(lp) + u(k0)) * u(half)
+        for e in range(per_k):
+            idx = u(tid) + u(e * threads)
+            if (bn * cq) % threads == 0 or idx < u(bn * cq):
+                r, c = idx // u(cq), u(4) * (idx % u(cq))
+                copy16(sh, u(at) + r * u(qs) + c, kw, kb + r * u(half) + c, True)
+        vb = u(hk) * u(dp) * u(lp // 2) + u(k0 // 2)
+        for e in range(per_v):
+            idx = u(tid) + u(e * threads)
+            if (dp * cv) % threads == 0 or idx < u(dp * cv):
+                r, c = idx // u(cv), u(4) * (idx % u(cv))
+                copy16(sh, u(at) + u(vrel) + r * u(vs) + c, vt, vb + r * u(lp // 2) + c, True)
 
-    @jit(device=True, forceinline=True)
-    def stage_vt(sh, v, t0, hh, n, d, tid):
-        """V^T of keys t0.. of head hh: word (dim, j) holds keys t0 + 2j, t0 + 2j + 1; a warp covers 8 dims x
-        4 key pairs (distinct banks: the row stride is 4 mod 8)."""
-        vals = cuda.local.array(pairs, float32)
-        lane, warp = u(tid % 32), u(tid // 32)
-        for b in range(0, per_v, BATCH):
-            for e in range(BATCH):
-                g = warp + u((b + e) * (threads // 32))
-                dim, j = (g % u(dp // 8)) * u(8) + lane % u(8), (g // u(dp // 8)) * u(4) + lane // u(8)
-                key = u(t0) + u(2) * j
-                live = j < u(bn // 2) and dim < u(d)
-                vals[2 * e] = v[key, u(hh), dim] if live and key < u(n) else float32(0.0)
-                vals[2 * e + 1] = v[key + u(1), u(hh), dim] if live and key + u(1) < u(n) else float32(0.0)
-            for e in range(BATCH):
-                g = warp + u((b + e) * (threads // 32))
-                dim, j = (g % u(dp // 8)) * u(8) + lane % u(8), (g // u(dp // 8)) * u(4) + lane // u(8)
-                if j < u(bn // 2) and b + e < per_v:
-                    sh[u(ov) + dim * u(vs) + j] = _pack(vals[2 * e], vals[2 * e + 1])
-
-    @jit(launch_bounds=(threads, 1 if split > 1 else 3))
-    def flash(q, k, v, out, scale):
-        n, heads, d = q.shape[0], q.shape[1], q.shape[2]
+    @jit(launch_bounds=(threads, 1 if split > 1 else 2))
+    def flash(qw, kw, vt, out, group, scale):
+        n, heads, d = out.shape[0], out.shape[1], out.shape[2]
+        lp = (n + PREP_ROWS - 1) // PREP_ROWS * PREP_ROWS
         h = cuda.blockIdx.y
-        hk = h // (heads // k.shape[1])
+        hk = h // group
         blocks = (n + BM - 1) // BM
         q0 = (blocks - 1 - cuda.blockIdx.x) * BM       # the longest causal rows first
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         row, quad = lane // 4, lane % 4
-        r16, half = warp % rw, warp // rw            # the warp's 16 rows and its half of d
+        r16, hw = warp % rw, warp // rw              # the warp's 16 rows and its half of d
         sh = cuda.shared.array(0, uint32)
         shf = cuda.shared.array(0, float32)         # the same memory, as float32 (S partials)
         shr = cuda.shared.array(red, float32)
         s = cuda.local.array(s_regs, float32)
         o = cuda.local.array(o_regs, float32)
+        kend = min(n, q0 + BM) if causal else n
+        qb = (u(h) * u(lp) + u(q0)) * u(half)
+        for e in range(per_q):                      # Q, then the first key block: one group
+            idx = u(tid) + u(e * threads)
+            if (BM * cq) % threads == 0 or idx < u(BM * cq):
+                r, c = idx // u(cq), u(4) * (idx % u(cq))
+                copy16(sh, r * u(qs) + c, qw, qb + r * u(half) + c, True)
+        stage_kv(sh, kw, vt, ok, hk, 0, lp, tid)
+        copy_commit()
         for e in range(4 * nt_o):
             o[e] = float32(0.0)
         m0, m1 = NEG_INF, NEG_INF                   # running maxima of the lane's rows row and row + 8
         l0, l1 = float32(0.0), float32(0.0)        # the lane's partial row sums (its quad's keys)
         i0 = q0 + 16 * r16 + row                   # the lane's first query row
-        stage_rows(sh, oq, q, q0, h, n, d, BM, per_qk, tid)
-        qa = u(oq) + u(16 * r16 + row) * u(qs) + u(half * dw // 2) + u(quad)
-        kb = u(ok) + u(row) * u(qs) + u(half * dw // 2) + u(quad)
-        vb = u(ov) + u(half * dw + row) * u(vs) + u(quad)
+        qa = u(16 * r16 + row) * u(qs) + u(hw * dw // 2) + u(quad)
         xo = u(ox) + u(warp * 16 * bn) + u(lane)                 # this warp's S partial
-        xp = u(ox) + u(((1 - half) * rw + r16) * 16 * bn) + u(lane)   # its partner's
-        kend = min(n, q0 + BM) if causal else n
+        xp = u(ox) + u(((1 - hw) * rw + r16) * 16 * bn) + u(lane)   # its partner's
         for k0 in range(0, kend, bn):
-            cuda.syncthreads()                      # the last block's K, V and partials are read
-            stage_rows(sh, ok, k, k0, hk, n, d, bn, per_k, tid)
-            stage_vt(sh, v, k0, hk, n, d, tid)
-            cuda.syncthreads()
+            cur = u(ok) + u((k0 // bn) % 2) * u(buf)
+            copy_wait()                             # this block's tiles (the only group in flight)
+            cuda.syncthreads()                      # ... seen by all; the other buffer's last reads done
+            if k0 + bn < kend:                      # the next block's tiles land while this one computes
+                stage_kv(sh, kw, vt, u(ok) + u((k0 // bn + 1) % 2) * u(buf), hk, k0 + bn, lp, tid)
+                copy_commit()
+            kb = cur + u(row) * u(qs) + u(hw * dw // 2) + u(quad)
+            vb = cur + u(vrel) + u(hw * dw + row) * u(vs) + u(quad)
             for e in range(4 * nt_s):
                 s[e] = float32(0.0)
             for kk in range(ks):                    # S = Q K^T over the warp's dims
@@ -156,7 +232,7 @@ def _make_flash(dp, split, bn, causal, control):
                 cuda.syncthreads()
                 for e in range(4 * nt_s):
                     other = shf[xp + u(32 * e)]
-                    s[e] = s[e] + other if half == 0 else other + s[e]
+                    s[e] = s[e] + other if hw == 0 else other + s[e]
             for e in range(4 * nt_s):
                 s[e] = s[e] * scale
             if k0 + bn > n or (causal and k0 + bn - 1 > q0 + 16 * r16):     # keys past n or the diagonal
@@ -195,7 +271,7 @@ def _make_flash(dp, split, bn, causal, control):
                     o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3] = mma_bf16(
                         p0, p1, p2, p3, sh[b], sh[b + u(4)], o[4 * nt], o[4 * nt + 1], o[4 * nt + 2], o[4 * nt + 3])
         l0, l1 = team_sum(shr, l0, 4), team_sum(shr, l1, 4)
-        c0 = u(half * dw + 2 * quad)
+        c0 = u(hw * dw + 2 * quad)
         for nt in range(nt_o):
             c = c0 + u(8 * nt)
             if c < u(d):
@@ -208,7 +284,7 @@ def _make_flash(dp, split, bn, causal, control):
     return flash
 
 
-_kernels = {}
+_kernels, _preps = {}, {}
 
 
 def kernel(d, causal, control=False):
@@ -220,11 +296,20 @@ def kernel(d, causal, control=False):
     return _kernels[key], threads, 4 * shared_layout(dp, bn, split)[1]
 
 
-def flash_attention(q, k, v, out, scale, causal, stream=0, control=False):
+def prep_kernel(d):
+    """The compiled-on-demand pre-pass for head dim d."""
+    dp = geometry(d)[1]
+    if dp not in _preps:
+        _preps[dp] = _make_prep(dp)
+    return _preps[dp]
+
+
+def flash_attention(q, k, v, out, scale, causal, stream=0, control=False, work=None):
     """out [L, H, d] = softmax(scale q k^T) v per head (causal: key j <= query i), query head h reading kv head
     h // (H / Hkv). q [L, H, d], k and v [L, Hkv, d] float32 of any strides; out float32; d a multiple of 16 up
-    to 256. q, k, v and the probabilities enter the products as bf16; everything else is float32.
-    control: O's rescale by the running max left out."""
+    to 256. q, k, v and the probabilities enter the products as bf16; everything else is float32. work: the
+    uint32 arrays of workspace_shapes (allocated here when None). control: O's rescale by the running max
+    left out."""
     n, heads, d = q.shape
     if d % 16 or d > 256 or k.shape != v.shape or k.shape[0] != n or k.shape[2] != d or heads % k.shape[1] \
             or out.shape != q.shape:
@@ -232,8 +317,14 @@ def flash_attention(q, k, v, out, scale, causal, stream=0, control=False):
                          "multiple of 16 up to 256, k and v [L, Hkv, d] with Hkv dividing H")
     if n == 0:
         return
+    hkv = k.shape[1]
+    if work is None:
+        work = {name: cuda.device_array(shape, np.uint32) for name, shape in
+                workspace_shapes(n, heads, hkv, d).items()}
+    prep_kernel(d)[(padded_rows(n) // PREP_ROWS, heads + 2 * hkv), PREP_THREADS, stream](
+        q, k, v, work["q"], work["k"], work["v"])
     fn, threads, nbytes = kernel(d, causal, control)
-    args = (q, k, v, out, np.float32(scale))
+    args = (work["q"], work["k"], work["v"], out, heads // hkv, np.float32(scale))
     allow_shared(fn, args, nbytes)
     fn[(-(-n // BM), heads), threads, stream, nbytes](*args)
 

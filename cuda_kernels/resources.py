@@ -33,6 +33,7 @@ def _signatures():
     f1, f2, f3, f4 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3), a(t.float32, 4)
     s2, s3, b2, b3 = a(t.float32, 2, "A"), a(t.float32, 3, "A"), a(t.uint16, 2), a(t.uint16, 3)
     tup = t.UniTuple(t.int64, 4)
+    u1 = a(t.uint32, 1)
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
         "unary": (elementwise._unary[False], (f1, f1, t.int64, t.float32)),
@@ -61,8 +62,10 @@ def _signatures():
         "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128),
                               (f1, f1, s3, f2, f2, f1, f1, f3, a(t.int64, 2))),
         "delta_chunk_walk": (gdn_chunk._make_walk(False, 32, 512, 128), (f1, f1, f1, f1, f3, f3)),
-        "flash_attention_d256_causal": (flash.kernel(256, True)[0], (s3, s3, s3, f3, t.float32)),
-        "flash_attention_d128": (flash.kernel(128, False)[0], (s3, s3, s3, f3, t.float32)),
+        "flash_prep_d256": (flash.prep_kernel(256), (s3, s3, s3, u1, u1, u1)),
+        "flash_attention_d256_causal": (flash.kernel(256, True)[0], (u1, u1, u1, f3, t.int64, t.float32)),
+        "flash_prep_d128": (flash.prep_kernel(128), (s3, s3, s3, u1, u1, u1)),
+        "flash_attention_d128": (flash.kernel(128, False)[0], (u1, u1, u1, f3, t.int64, t.float32)),
         "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),
                                    (f1, f1, f1, f1, f3, f3)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),

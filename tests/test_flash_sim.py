@@ -1,6 +1,6 @@
 """Flash attention (cuda_kernels.flash) in the numba CUDA simulator: within its derived gate of the float64
 reference on the edge shapes (L = 1, L past a key block, causal or not, H = Hkv and H = 4 Hkv, strided k and
-v, a head dim padded to the split's multiple), and exact where exactness is owed."""
+v, a head dim padded to the split's multiple), and exact where exactness is owed (a reused workspace too)."""
 
 import os
 import subprocess
@@ -21,13 +21,13 @@ from cuda_kernels.core import from_bf16_bits, gate, heads_view, to_bf16_bits
 rng = np.random.default_rng(1)
 
 
-def run(q, k, v, causal, scale=0.25):
+def run(q, k, v, causal, scale=0.25, work=None):
     """k and v as column blocks of one [L, 2 Hkv d] matrix, q contiguous."""
     n, hk, d = k.shape
     kv = cuda.to_device(np.concatenate([k.reshape(n, -1), v.reshape(n, -1)], axis=1))
     out = cuda.device_array(q.shape, np.float32)
     flash.flash_attention(cuda.to_device(q), heads_view(kv, 0, hk, d), heads_view(kv, hk * d, hk, d), out, scale,
-                          causal)
+                          causal, work=work)
     return out.copy_to_host()
 
 
@@ -60,6 +60,12 @@ a = run(q, k, v, True)
 k[8:], v[8:] = 1e4, -1e4
 b = run(q, k, v, True)
 print("masked", bool(np.array_equal(a[:8], b[:8])), bool(np.abs(a[8:] - b[8:]).max() > 1))
+
+# a reused workspace (pool memory, here all bf16 NaN pairs): the pre-pass writes every word the kernel reads,
+# the padding rows included, so the result keeps its bits
+dirty = {name: cuda.to_device(np.full(shape, 0xFFFFFFFF, np.uint32))
+         for name, shape in flash.workspace_shapes(20, 2, 2, 16).items()}
+print("dirty workspace", bool(np.array_equal(run(q, k, v, True, work=dirty), b)))
 '''
 
 
@@ -74,3 +80,4 @@ def test_flash_attention_edge_shapes_pass_the_gate_and_masked_keys_add_nothing()
         assert f"{name} pass" in done.stdout, done.stdout
     assert "self True" in done.stdout, done.stdout
     assert "masked True True" in done.stdout, done.stdout
+    assert "dirty workspace True" in done.stdout, done.stdout

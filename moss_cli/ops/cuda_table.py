@@ -408,7 +408,9 @@ class CudaOps:
     def attention(self, q, k, v, scale, causal=False):
         if self.attention_form == "flash":      # q, k, v of any strides
             out = self.new(q.shape)
-            flash.flash_attention(q, k, v, out, scale, causal, stream=self.stream)
+            shapes = flash.workspace_shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+            work = {name: self.new(shape, np.uint32) for name, shape in shapes.items()}
+            flash.flash_attention(q, k, v, out, scale, causal, stream=self.stream, work=work)
             return out
         # the batched products take k and v with their row stride (column blocks of a product); q contiguous
         q = self._contiguous(q)
