@@ -105,9 +105,10 @@ class CudaOps:
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
-        # "products" (TF32 cuBLAS + softmax) or "flash" (flash.py, bf16 tensor cores, no scores buffer: on the
-        # H200 in run Q 358 us a layer at 1000 tokens against ~200 for the products, so not the default yet)
-        self.attention_form = "products"
+        # "flash" (flash.py: a bf16 pre-pass, then bf16 tensor cores with cp.async double buffering, no
+        # scores buffer) or "products" (TF32 cuBLAS + a softmax kernel). Run S (H200): whole encode 32.4 ms
+        # with flash against 33.3 with the products at 1000 tokens, 6.6 against 7.1 at 100
+        self.attention_form = "flash"
         self._last_cast = None
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
         # up) may write bf16 rather than float32, as transformers' bf16 does. Off: on the H200 (run Q) the
@@ -513,8 +514,12 @@ class CudaEncoder:
         graph.launch(stream)
         launched = time.perf_counter()
         stream.sync()
-        rows = out.copy_to_host(self._pinned[size])[:n].copy()
-        self.timings = {"host_s": launched - start, "total_s": time.perf_counter() - start, "bucket": size}
+        synced = time.perf_counter()
+        # the prompt's rows only, through the pinned buffer, then a copy the next call cannot overwrite
+        rows = out[:n].copy_to_host(self._pinned[size][:n]).copy()
+        done = time.perf_counter()
+        self.timings = {"host_s": launched - start, "gpu_s": synced - start, "copy_s": done - synced,
+                        "total_s": done - start, "bucket": size}
         return rows
 
     def _capture(self, size):
