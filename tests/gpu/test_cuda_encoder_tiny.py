@@ -50,6 +50,8 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     enc = CudaEncoder(component.tensors, component.config)
     first, second = enc(ids), enc(ids)
     assert first.tobytes() == second.tobytes()
+    kept = np.full_like(first, np.nan)
+    assert enc(ids, out=kept) is kept and kept.tobytes() == first.tobytes()
     eager = CudaEncoder(component.tensors, component.config, graphs=False)(ids)
     # the graph pads to its bucket: the same kernels on more rows, so equal to float32 rounding
     np.testing.assert_allclose(first, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
