@@ -2,11 +2,11 @@
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
 geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
 to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, and the chunked form
-with 64-token chunks, 16-row solve blocks, the fused setup (gdn_setup) or the staged one, and the walk's
-16-column, 128-thread blocks (dk = 32; 70 tokens: a part chunk), and with dk = 8, the fused setup's
-256 threads and 32-column, 256-thread walks (the tiny checkpoint's key dim, half the GPU default's
-threads: the simulator's mma statement takes at most 256), and the strip walk with 32 columns and 256
-threads (dk = 32). In the
+with 64-token chunks, 16-row solve blocks, the fused setup (gdn_setup) in 4 warps and the tile walk's
+16-column, 128-thread blocks (dk = 32; 70 tokens: a part chunk), and with dk = 8, the fused setup's 256
+threads and the strip walk's 32 columns on 256 threads (the tiny checkpoint's key dim, half the GPU
+default's threads: the simulator's mma statement takes at most 256). The staged setup is checked by its
+contract case at the simulator's size. In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
@@ -68,15 +68,11 @@ SCRIPTS = {
     # the fused setup in 4 warps, strips of 2 n tiles: whole row blocks per warp, so [U | W] skips T's
     # zero blocks (the triangular steps the GPU takes)
     "chunked": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128), setup=(128, 2), form="fused"),
-    # the staged setup (prep, solve and the cuBLAS products' statement on the host)
-    "chunked stages": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128), setup=(128, 2), form="stages"),
     # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16;
-    # the fused setup at its GPU geometry, 256 threads and strips of 4 n tiles
-    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256), setup=(256, 4), form="fused"),
-    # the strip walk (WALK_STRIP's 32 columns, half its threads): step (1)'s k halves of two k steps each in
-    # two rounds, step (2)'s six strips on eight warps (two computing a dummy)
-    "chunked strip": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(32, 256, "strip"), setup=(128, 2),
-                                                                  form="fused"),
+    # the fused setup at its GPU geometry, 256 threads and strips of 4 n tiles; the strip walk (the GPU
+    # default's variant and columns, half its threads): step (1)'s k halves, step (2)'s dummy warps
+    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256, "strip"), setup=(256, 4),
+                                                               form="fused"),
 }
 
 
