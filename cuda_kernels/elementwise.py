@@ -5,7 +5,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, uint16, uint32, uint64
 
 from .core import BLOCK, EPS32, SIMULATED, Case, bf16_bound, from_bf16_bits, jit, narrow, to_bf16_bits, widen
 
@@ -172,12 +172,128 @@ def _swiglu(control, bits, team, bits_in=False):
     return swiglu
 
 
-def swiglu(gate, up, out, stream=0, control=False):
+# The packed SwiGLU: each thread item is 4 consecutive elements of a row read and written as 8-byte words
+# (a bf16 operand one word, a float32 one two): a warp's load or store moves 256 bytes, where the element
+# kernel's 2-byte bf16 accesses move 64. Taken when the rows allow it (`_words`), else the element kernel.
+PACK = 4
+
+
+@jit(device=True, forceinline=True)
+def _as_float(bits):
+    buf = cuda.local.array(1, uint32)
+    buf[0] = bits
+    return buf.view(np.float32)[0]
+
+
+@jit(device=True, forceinline=True)
+def _float_bits(x):
+    buf = cuda.local.array(1, float32)
+    buf[0] = x
+    return buf.view(np.uint32)[0]
+
+
+@functools.cache
+def _load4(bits):
+    """Elements 4c .. 4c + 3 of row r of a packed operand (bf16: one uint64 word; float32: two) into v."""
+    @jit(device=True, forceinline=True)
+    def load4(a, r, c, v):
+        if bits:
+            word = a[r, c]
+            for e in range(PACK):
+                v[e] = widen(uint16((word >> uint64(16 * e)) & uint64(0xFFFF)))
+        else:
+            for e in range(2):
+                word = a[r, 2 * c + e]
+                v[2 * e] = _as_float(uint32(word & uint64(0xFFFFFFFF)))
+                v[2 * e + 1] = _as_float(uint32(word >> uint64(32)))
+    return load4
+
+
+@functools.cache
+def _swiglu_packed(control, bits, team, bits_in):
+    per = TILE_PER // 2
+    load4 = _load4(bits_in)
+
+    @jit(launch_bounds=(BLOCK, 4))
+    def swiglu_packed(gate, up, out, items):
+        r = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        first = cuda.blockIdx.y * (team * per) + cuda.threadIdx.x % team
+        if r >= out.shape[0]:
+            return
+        g = cuda.local.array((per, PACK), float32)
+        u = cuda.local.array((per, PACK), float32)
+        for j in range(per):            # every load issued before the first store
+            c = first + j * team
+            if c < items:
+                if control:
+                    load4(up, r, c, g[j])
+                    load4(gate, r, c, u[j])
+                else:
+                    load4(gate, r, c, g[j])
+                    load4(up, r, c, u[j])
+        for j in range(per):
+            c = first + j * team
+            if c < items:
+                if bits:
+                    word = uint64(0)
+                    for e in range(PACK):
+                        word |= uint64(narrow(silu(g[j, e]) * u[j, e])) << uint64(16 * e)
+                    out[r, c] = word
+                else:
+                    for e in range(2):
+                        lo = uint64(_float_bits(silu(g[j, 2 * e]) * u[j, 2 * e]))
+                        hi = uint64(_float_bits(silu(g[j, 2 * e + 1]) * u[j, 2 * e + 1]))
+                        out[r, 2 * c + e] = lo | (hi << uint64(32))
+    return swiglu_packed
+
+
+class _Words:
+    """An [R, N] array with unit element stride seen as 8-byte words (no copy; keeps the array alive)."""
+
+    def __init__(self, a):
+        face = a.__cuda_array_interface__
+        item = np.dtype(face["typestr"]).itemsize
+        rows, n = face["shape"]
+        row_stride = face["strides"][0] if face["strides"] else n * item
+        self.base = a
+        self.__cuda_array_interface__ = {
+            "shape": (rows, n * item // 8), "typestr": "<u8", "strides": (row_stride, 8),
+            "data": (face["data"][0], False), "version": 3, "stream": None}
+
+
+def _words(a):
+    """a as 8-byte words (_Words) when its rows can be read so: unit element stride, 8-byte aligned start
+    and row stride, a whole number of words per row; else None. (The simulator: a numpy view.)"""
+    if SIMULATED:
+        host = a._ary
+        data, strides, n, item = host.ctypes.data, host.strides, host.shape[1], host.itemsize
+    else:
+        face = a.__cuda_array_interface__
+        item = np.dtype(face["typestr"]).itemsize
+        n = face["shape"][1]
+        data, strides = face["data"][0], face["strides"] or (n * item, item)
+    if strides[1] != item or data % 8 or strides[0] % 8 or n % PACK:
+        return None
+    if SIMULATED:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(host.view(np.uint64))
+    return cuda.as_cuda_array(_Words(a))
+
+
+def swiglu(gate, up, out, stream=0, control=False, packed=True):
     """out = silu(gate) * up over [R, N] arrays of any strides (gate and up may be column blocks of one
     product's output); gate and up float32 or both uint16 (bf16 bits, a product's bf16 output); out
-    float32, or uint16 for bf16 bits: the next product's operand."""
+    float32, or uint16 for bf16 bits: the next product's operand. `packed`: 8-byte words where all three
+    allow it (the default; False: always the element kernel)."""
     if gate.dtype != up.dtype:
         raise TypeError(f"swiglu: gate {gate.dtype} and up {up.dtype} differ")
+    words = [_words(a) for a in (gate, up, out)] if packed else [None]
+    if all(w is not None for w in words):
+        items = out.shape[1] // PACK
+        grid, team = _tiles(out.shape[0], items * 2)     # (_tiles sizes for TILE_PER; a thread takes per // 2)
+        kernel = _swiglu_packed(control, out.dtype == np.uint16, team, gate.dtype == np.uint16)
+        kernel[grid, BLOCK, stream](*words, items)
+        return
     grid, team = _tiles(*out.shape)
     _swiglu(control, out.dtype == np.uint16, team, gate.dtype == np.uint16)[grid, BLOCK, stream](gate, up, out)
 
@@ -290,15 +406,28 @@ def _ref_binary(inp):
     return np.concatenate(refs), EPS32 * np.concatenate(mags) + 1e-30
 
 
-def _run_swiglu(inp, control, bits_in=False):
+def _run_swiglu(inp, control, bits_in=False, packed=True):
     """gate and up as the two column blocks of one [R, 2N] product output (float32, or bf16 bits as a
     product with a bf16 output leaves them), bf16 bits out."""
     both = np.concatenate([inp["a"], inp["b"]], axis=1)
     both = cuda.to_device(to_bf16_bits(both) if bits_in else both)
     n = inp["a"].shape[1]
     out = cuda.device_array(inp["a"].shape, np.uint16)
-    swiglu(both[:, :n], both[:, n:], out, control=control)
+    swiglu(both[:, :n], both[:, n:], out, control=control, packed=packed)
     return from_bf16_bits(out.copy_to_host())
+
+
+def _run_swiglu_float(inp, control):
+    both = cuda.to_device(np.concatenate([inp["a"], inp["b"]], axis=1))
+    n = inp["a"].shape[1]
+    out = cuda.device_array(inp["a"].shape, np.float32)
+    swiglu(both[:, :n], both[:, n:], out, control=control)
+    return out.copy_to_host()
+
+
+def _ref_swiglu_float(inp):
+    ref = swiglu_reference(inp["a"], inp["b"])
+    return ref, swiglu_bound(ref, bits=False)
 
 
 def swiglu_reference(gate, up):
@@ -358,6 +487,10 @@ CASES = [
          notes="control: silu of up times gate (the operands swapped)"),
     Case("swiglu_bf16_in_out", _make_binary_inputs, lambda i, c: _run_swiglu(i, c, True), _ref_swiglu_bits_in,
          notes="gate and up as bf16 bits; control: silu of up times gate"),
+    Case("swiglu_elements", _make_binary_inputs, lambda i, c: _run_swiglu(i, c, True, packed=False),
+         _ref_swiglu_bits_in, notes="the element kernel (rows that cannot be read as words); control: operands swapped"),
+    Case("swiglu_float_out", _make_binary_inputs, lambda i, c: _run_swiglu_float(i, c), _ref_swiglu_float,
+         notes="float32 in and out, packed; control: operands swapped"),
     Case("sigmoid_gate_bf16_out", _make_binary_inputs, _run_sigmoid_gate, _ref_sigmoid_gate,
          notes="control: silu(g) instead of sigmoid(g)"),
 ]

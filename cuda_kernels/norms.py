@@ -144,6 +144,64 @@ def _gated(control, bits, team, per):
     return gated_rms_norm
 
 
+@functools.cache
+def _rms_rope(control, team, per, shift):
+    """rms_norm then rotate-half RoPE on the first 2r dims (r = shift x team): element lane + j team's
+    partner is the same thread's element j +- shift, so the rotation runs on registers."""
+    load_row = _load_row(team, per)
+
+    @jit
+    def rms_norm_rope(x, w, cos, sin, out, eps, offset):
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(per, float32)
+        scale = cuda.local.array(per, float32)
+        cs = cuda.local.array(shift, float32)
+        sn = cuda.local.array(shift, float32)
+        t, h, lane, live, acc = load_row(x, vals)
+        d = x.shape[2]
+        tc = min(t, uint64(cos.shape[0] - 1))            # (a row past the end reads the last token's angles)
+        for j in range(per):                            # loads before the sum and the stores (as rms_norm)
+            i = lane + j * team
+            if i < d:
+                scale[j] = offset + w[uint64(i)]
+        for j in range(shift):
+            u = uint64(lane + j * team)
+            cs[j] = cos[tc, u]
+            sn[j] = -sin[tc, u] if control else sin[tc, u]
+        r = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
+        if not live:
+            return
+        for j in range(per):
+            vals[j] = vals[j] * r * scale[j]
+        for j in range(per):
+            i = lane + j * team
+            if i < d:
+                y = vals[j]
+                if j < shift:
+                    y = vals[j] * cs[j] - vals[j + shift] * sn[j]
+                elif j < 2 * shift:
+                    y = vals[j] * cs[j - shift] + vals[j - shift] * sn[j - shift]
+                out[t, h, uint64(i)] = y
+    return rms_norm_rope
+
+
+def rms_norm_rope_fits(d, r):
+    """Whether rms_norm_rope takes rows of d with r rotated pairs: the rotated dims' partners in one thread."""
+    team, per = row_team(d)
+    return d <= team * per and r % team == 0 and 2 * r <= team * per
+
+
+def rms_norm_rope(x, w, cos, sin, out, eps, offset, stream=0, control=False):
+    """out = RoPE(rms_norm(x)) (rope_attention.rope of norms.rms_norm, float32) over x [L, H, d] of any strides,
+    cos/sin [L, r]: one kernel where rms_norm_rope_fits(d, r), else the two. control: rotates backwards."""
+    d, r = x.shape[2], cos.shape[1]
+    if not rms_norm_rope_fits(d, r):
+        raise ValueError(f"rms_norm_rope: rows of {d} with {r} rotated pairs do not fit one thread's registers")
+    grid, team, per = _geometry(x)
+    _rms_rope(control, team, per, r // team)[grid, BLOCK, stream](x, w, cos, sin, out, np.float32(eps),
+                                                                  np.float32(offset))
+
+
 def _bits(out):
     return out.dtype == np.uint16
 
@@ -278,7 +336,41 @@ def _ref_gated(inp, bits=False):
     return ref, gated_rms_norm_bound(ref, inp["x"].shape[1], bits)
 
 
+def _make_rms_rope(rng, size):
+    rows, heads, d, r = (3, 2, 32, 8) if size == "tiny" else (1000, 16, 256, 32)
+    x = rng.standard_normal((rows, 2 * heads, d)).astype(np.float32)
+    x[0, 0] *= np.float32(1e-3)
+    angles = np.arange(rows)[:, None] * (10000.0 ** (-np.arange(r) / r))[None, :]
+    return {"x": x, "w": (rng.standard_normal(d) * 0.5).astype(np.float32), "eps": 1e-6,
+            "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+
+
+def _run_rms_rope(inp, control):
+    """x the query heads of a [L, 2H, d] product (every other head: q of (q | gate) pairs)."""
+    wide, w, cos, sin = _device(inp, "x", "w", "cos", "sin")
+    x = wide[:, ::2, :]
+    out = cuda.device_array(x.shape, np.float32)
+    rms_norm_rope(x, w, cos, sin, out, inp["eps"], 1.0, control=control)
+    return out.copy_to_host()
+
+
+def _ref_rms_rope(inp):
+    from .rope_attention import rope_reference
+    x = inp["x"][:, ::2, :]
+    normed = rms_norm_reference(x, inp["w"], inp["eps"], 1.0)
+    ref = rope_reference(normed, inp["cos"], inp["sin"])
+    # rms_norm's relative error on each normed value, then the rotation's product pair and sum (3 roundings)
+    r = inp["cos"].shape[1]
+    n = np.abs(normed)
+    c, s = np.abs(inp["cos"]).astype(np.float64)[:, None, :], np.abs(inp["sin"]).astype(np.float64)[:, None, :]
+    a, b = n[..., :r], n[..., r:2 * r]
+    mag = np.concatenate([a * c + b * s, b * c + a * s, n[..., 2 * r:]], axis=-1)
+    return ref, (0.5 * gamma(x.shape[2]) + 9 * EPS32) * mag + 1e-30
+
+
 CASES = [
+    Case("rms_norm_rope", _make_rms_rope, _run_rms_rope, _ref_rms_rope,
+         notes="q heads of a (q | gate) product; control: rotates the other way (sin negated)"),
     Case("rms_norm", _maker(16384, 256), _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
     Case("l2_norm", _maker(16384, 128), _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
     Case("rms_norm_bf16_out", _maker(4000, 4096), lambda i, c: _run_rms(i, c, True), lambda i: _ref_rms(i, True),

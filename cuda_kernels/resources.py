@@ -34,6 +34,8 @@ def _signatures():
     s2, s3, b2, b3 = a(t.float32, 2, "A"), a(t.float32, 3, "A"), a(t.uint16, 2), a(t.uint16, 3)
     tup = t.UniTuple(t.int64, 4)
     u1 = a(t.uint32, 1)
+    w2 = a(t.uint64, 2, "A")                                   # 8-byte words (elementwise._words)
+    packed_team = elementwise._tiles(1, 2 * 12288 // elementwise.PACK)[1]
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
         "unary": (elementwise._unary[False], (f1, f1, t.int64, t.float32)),
@@ -50,6 +52,11 @@ def _signatures():
         "swiglu_bf16_out": (elementwise._swiglu(False, True, elementwise._tiles(1, 12288)[1]), (s2, s2, b2)),
         "swiglu_bf16_in_out": (elementwise._swiglu(False, True, elementwise._tiles(1, 12288)[1], True),
                                (a(t.uint16, 2, "A"), a(t.uint16, 2, "A"), b2)),
+        "swiglu_packed_bf16_out": (elementwise._swiglu_packed(False, True, packed_team, False), (w2, w2, w2, t.int64)),
+        "swiglu_packed_bf16_in_out": (elementwise._swiglu_packed(False, True, packed_team, True),
+                                      (w2, w2, w2, t.int64)),
+        "rms_norm_rope_d256_r32": (norms._rms_rope(False, *row_team(256), 32 // row_team(256)[0]),
+                                   (s3, f1, f2, f2, f3, t.float32, t.float32)),
         "sigmoid_gate_bf16_out": (elementwise._sigmoid_gate(False, True, elementwise._tiles(1, 256)[1]), (f3, s3, b3)),
         "gdn_gates": (gdn._gates[False], (s2, s2, f1, f1, f2, f2)),
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),

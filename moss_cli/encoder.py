@@ -167,8 +167,8 @@ class Qwen35Encoder:
         q, gate = ops.split(ops.reshape(both, (L, nq, 2 * hd)), (hd, hd))
         k = ops.reshape(k, (L, nkv, hd))
         v = ops.reshape(v, (L, nkv, hd))
-        q = ops.rope(ops.rms_norm(q, self.w(p + "q_norm.weight"), eps, offset=1.0), cos, sin)
-        k = ops.rope(ops.rms_norm(k, self.w(p + "k_norm.weight"), eps, offset=1.0), cos, sin)
+        q = ops.rms_norm_rope(q, self.w(p + "q_norm.weight"), cos, sin, eps, offset=1.0)
+        k = ops.rms_norm_rope(k, self.w(p + "k_norm.weight"), cos, sin, eps, offset=1.0)
         o = ops.sigmoid_gate(ops.attention(q, k, v, hd ** -0.5, causal=True), gate, operand=True)
         return ops.linear(ops.reshape(o, (L, nq * hd)), self.w(p + "o_proj.weight"), residual=x)
 

@@ -20,7 +20,7 @@ from numba import cuda
 
 from cuda_kernels import elementwise, embedding as emb, flash, gdn, gdn_chunk, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
-from cuda_kernels.gemm import blas
+from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, text_config
 
@@ -111,9 +111,12 @@ class CudaOps:
         self.attention_form = "flash"
         self._last_cast = None
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
-        # up) may write bf16 rather than float32, as transformers' bf16 does. Off: on the H200 (run Q) the
-        # gate/up product gained 0.18 ms per 1000-token encode and swiglu reading bf16 lost 0.59
-        self.narrow_products = False
+        # up) may write bf16 rather than float32, as transformers' bf16 does. Run Q (H200, swiglu's element
+        # kernel then): the gate/up product gained 0.18 ms per 1000-token encode, swiglu reading bf16 lost
+        # 0.59. swiglu now reads 8-byte words (4 bf16 at a time): on, measured against off in run V
+        self.narrow_products = True
+        self.fuse_norm_rope = True     # q/k norm and rope in one kernel (norms.rms_norm_rope) where rows fit
+        self.packed_swiglu = True      # swiglu on 8-byte words where rows allow (elementwise._words)
 
     # --- memory -------------------------------------------------------------------------------
     def new(self, shape, dtype=np.float32):
@@ -342,7 +345,8 @@ class CudaOps:
     def swiglu(self, gate, up, operand=False):
         """silu(gate) * up; bf16 bits when `operand` (the next product's input)."""
         out = self.new(gate.shape, np.uint16 if operand else np.float32)
-        elementwise.swiglu(self._rows(gate), self._rows(up), self._rows(out), stream=self.stream)
+        elementwise.swiglu(self._rows(gate), self._rows(up), self._rows(out), stream=self.stream,
+                           packed=self.packed_swiglu)
         return out
 
     # --- linear algebra -----------------------------------------------------------------------
@@ -404,6 +408,14 @@ class CudaOps:
     def rope(self, x, cos, sin):
         out = self.new(x.shape)
         rope_attention.rope(x, cos, sin, out, stream=self.stream)
+        return out
+
+    def rms_norm_rope(self, x, w, cos, sin, eps, offset=0.0):
+        """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two."""
+        if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[-1], cos.shape[1])):
+            return self.rope(self.rms_norm(x, w, eps, offset), cos, sin)
+        out = self.new(x.shape)
+        norms.rms_norm_rope(x, w, cos, sin, out, eps, offset, stream=self.stream)
         return out
 
     def attention(self, q, k, v, scale, causal=False):
@@ -489,7 +501,6 @@ class CudaEncoder:
         self.graphs = graphs
         self.pad_id = pad_id
         self._captured = {}
-        self._pinned = {}
         self.timings = {}
 
     def upload(self):
@@ -498,46 +509,54 @@ class CudaEncoder:
         self.model(np.zeros(1, dtype=np.int64))
         cuda.synchronize()
 
+    def host_rows(self, n):
+        """A pinned host array for n rows (float32 [n, hidden]): as `out`, the rows' copy is one DMA at the
+        bus's speed, queued behind the graph (a pageable array goes through the driver's staging copy)."""
+        return cuda.pinned_array((n, self.config["hidden_size"]), np.float32)
+
     def __call__(self, ids, on_layer=None, out=None):
-        """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape).
-        The rows cross through a pinned buffer: at 1000 x 4096 the copy out of it took 2.4-3.0 ms on the
-        H200's host (runs T, U), into a fresh array or a kept one alike."""
+        """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape,
+        best one from `host_rows`, which the caller keeps). The copy of the prompt's rows is queued on the
+        graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
+        time (run T: 3.0 ms of a 32.5 ms 1000-token encode was the copy through a pinned buffer into an
+        array of the host's own)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not self.graphs or on_layer is not None:
             return self.model(ids, on_layer=on_layer)
         n = ids.size
+        shape = (n, self.config["hidden_size"])
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous float32 {shape}, not {out.dtype} {out.shape}")
         size = bucket(n)
-        padded = np.full(size, self.pad_id, dtype=np.int64)
+        padded = np.full(size, self.pad_id, dtype=np.int32)
         padded[:n] = ids
         if size not in self._captured:
             self._capture(size)
         graph, ids_buffer, rows_buffer, stream = self._captured[size]
+        queue = cuda.external_stream(stream_handle(stream))
+        began, ran, copied = cuda.event(), cuda.event(), cuda.event()
         start = time.perf_counter()
-        ids_buffer.copy_to_device(padded.astype(np.int32))
+        ids_buffer.copy_to_device(padded, stream=queue)
+        began.record(queue)
         graph.launch(stream)
+        ran.record(queue)
+        rows_buffer[:n].copy_to_host(out, stream=queue)
+        copied.record(queue)
         launched = time.perf_counter()
-        stream.sync()
-        synced = time.perf_counter()
-        # the prompt's rows only, through the pinned buffer, then into memory the next call cannot overwrite
-        pinned = rows_buffer[:n].copy_to_host(self._pinned[size][:n])
-        if out is None:
-            rows = pinned.copy()
-        else:
-            if out.shape != pinned.shape or out.dtype != np.float32:
-                raise ValueError(f"out must be float32 {pinned.shape}, not {out.dtype} {out.shape}")
-            np.copyto(out, pinned)
-            rows = out
+        copied.synchronize()
         done = time.perf_counter()
-        self.timings = {"host_s": launched - start, "gpu_s": synced - start, "copy_s": done - synced,
-                        "total_s": done - start, "bucket": size}
-        return rows
+        self.timings = {"host_s": launched - start, "total_s": done - start, "bucket": size,
+                        "gpu_s": cuda.event_elapsed_time(began, ran) / 1e3,
+                        "copy_s": cuda.event_elapsed_time(ran, copied) / 1e3}
+        return out
 
     def _capture(self, size):
         dummy = np.zeros(size, dtype=np.int64)
         self.model(dummy)                      # compiles the kernels, plans cuBLAS, fills the pool
         graph, stream, out = capture(self.ops, lambda: self.model(dummy))
         self._captured[size] = (graph, self.ops.ids, out, stream)
-        self._pinned[size] = cuda.pinned_array(out.shape, np.float32)
         self._kept = getattr(self, "_kept", []) + self.ops.kept
 
 

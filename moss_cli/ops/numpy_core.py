@@ -136,6 +136,10 @@ class CoreOps:
         b = x[..., r:2 * r]
         return np.concatenate([a * c - b * s, b * c + a * s, x[..., 2 * r:]], axis=-1)
 
+    def rms_norm_rope(self, x, w, cos, sin, eps, offset=0.0):
+        """rope(rms_norm(x, w, eps, offset), cos, sin): one op, so a GPU table can fuse the two."""
+        return self.rope(self.rms_norm(x, w, eps, offset), cos, sin)
+
     def attention(self, q, k, v, scale, causal=False):
         """softmax(q k^T * scale) v per head; q [L, Hq, d], k [S, Hk, d], v [S, Hk, dv] -> [L, Hq, dv].
 

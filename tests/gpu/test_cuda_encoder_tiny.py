@@ -52,6 +52,12 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     assert first.tobytes() == second.tobytes()
     kept = np.full_like(first, np.nan)
     assert enc(ids, out=kept) is kept and kept.tobytes() == first.tobytes()
+    pinned = enc.host_rows(ids.size)
+    pinned[:] = np.nan
+    assert enc(ids, out=pinned) is pinned and pinned.tobytes() == first.tobytes()
+    assert enc.timings["gpu_s"] > 0 and enc.timings["copy_s"] > 0
+    with pytest.raises(ValueError):
+        enc(ids, out=np.empty((ids.size + 1, first.shape[1]), np.float32))
     eager = CudaEncoder(component.tensors, component.config, graphs=False)(ids)
     # the graph pads to its bucket: the same kernels on more rows, so equal to float32 rounding
     np.testing.assert_allclose(first, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
