@@ -6,8 +6,10 @@ the output is float32 or bf16. The algorithm is chosen once per shape (heuristic
 GPU only: the simulator has no cuBLAS.
 """
 
+import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 from numba import cuda, float32
@@ -28,6 +30,10 @@ SPLITS = (2, 3, 4, 6, 8, 12, 16)
 WIDE_WAVES = 4
 TIMED_CALLS = 5
 FINALISTS = 4                  # timed again over more calls, the fastest kept
+# Algorithms the tuner picked on a GPU (scripts/gpu_encoder_9b.py writes them), per GPU name and cuBLASLt
+# version: a process finding its shape here runs the stored algorithm (cuBLASLt's algorithm struct may be
+# stored and restored for the same library version), so its bytes are as fixed as the heuristic's.
+PICKS = Path(__file__).with_name("GEMM_PICKS.json")
 
 
 def pointer(a):
@@ -144,7 +150,9 @@ def algo_config(lt, ptr):
 class Blas:
     """One cuBLASLt + cuBLAS handle pair, a workspace and the per-shape algorithm cache."""
 
-    def __init__(self, tune=False, widen=True):
+    def __init__(self, tune=False, widen=True, picks=None):
+        """tune: time the candidates per shape (MOSS_GEMM_TUNE=1); picks: {shape key: algorithm record} to
+        run where a shape is found (None: this GPU's and cuBLASLt's entries of PICKS, {}: none)."""
         from nvmath.bindings import cublas, cublasLt
         self.lt, self.cb = cublasLt, cublas
         self.lt_handle = cublasLt.create()
@@ -158,6 +166,44 @@ class Blas:
         self._plans = {}
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
+        self.picks = stored_picks(self.library_key()) if picks is None else picks
+
+    def library_key(self):
+        """'<GPU name> | cuBLASLt <version>': the entry of PICKS this process may use."""
+        name = cuda.get_current_device().name
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"{name} | cuBLASLt {self.lt.get_version()}"
+
+    def tuned_picks(self):
+        """{shape key: record} of every tuned shape (the form PICKS stores under library_key())."""
+        out = {}
+        for key, plan in self._plans.items():
+            if plan.get("tuned"):
+                choice = plan["choice"]
+                times = plan.get("times") or []
+                out[_pick_key(key)] = {
+                    "algo": plan["found"][choice]["algo"].tobytes().hex(),
+                    "config": list(algo_config(self.lt, _row(plan["found"], choice))),
+                    "timed_ms": times[choice] if choice < len(times) else None,
+                    "first_heuristic_ms": times[0] if times else None}
+        return out
+
+    def _restore(self, plan, record):
+        """The stored algorithm appended to the plan's candidates and chosen, if cuBLASLt accepts it."""
+        cand = plan["found"][:1].copy()
+        cand["algo"][0] = np.frombuffer(bytes.fromhex(record["algo"]), dtype=cand["algo"].dtype.base).reshape(
+            cand["algo"][0].shape)
+        try:
+            self.lt.matmul_algo_check(self.lt_handle, plan["desc"], *plan["layouts"], plan["layouts"][2],
+                                      _row(cand, 0), cand.ctypes.data)
+        except Exception:                   # refused (another library build): keep the heuristic's
+            return
+        if int(cand[0]["workspace_size"]) > WORKSPACE:
+            return
+        plan["found"] = np.concatenate([plan["found"], cand])
+        plan["count"] = len(plan["found"])
+        plan["choice"] = plan["count"] - 1
+        plan["stored"] = True
 
     # --- cuBLASLt: bf16 x bf16 -> float32 / bf16, optional bias and accumulate ----------------
     def _plan(self, m, n, k, out_type, bias, accumulate, stream):
@@ -185,6 +231,9 @@ class Blas:
                                                                  k, out_type)])
         plan = {"desc": desc, "layouts": (a_layout, b_layout, c_layout), "found": found, "choice": 0,
                 "count": len(found), "heuristic": heuristic}
+        record = None if self.tune else self.picks.get(_pick_key(key))
+        if record is not None:
+            self._restore(plan, record)
         self._plans[key] = plan
         return plan
 
@@ -318,6 +367,7 @@ class Blas:
         info = dict(zip(("id", "tile", "splitk", "reduction", "stages", "cluster"),
                         algo_config(self.lt, _row(plan["found"], plan["choice"]))))
         info["candidates"], info["heuristic"] = plan["count"], plan["heuristic"]
+        info["stored"] = bool(plan.get("stored"))
         times = plan.get("times")
         if times:
             heur = [t for t in times[:min(plan["heuristic"], CANDIDATES)] if t is not None]
@@ -339,12 +389,27 @@ class Blas:
             COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F, -1)
 
 
+def _pick_key(plan_key):
+    """'M=.. N=.. K=.. out=.. bias=.. acc=..' of a plan key (x [M, K], w [N, K]; out f32 or bf16)."""
+    m, n, k, out_type, bias, accumulate = plan_key
+    return f"M={m} N={n} K={k} out={'f32' if out_type == R_32F else 'bf16'} bias={int(bias)} acc={int(accumulate)}"
+
+
+def stored_picks(library_key, path=PICKS):
+    """PICKS' records for one GPU and cuBLASLt version ({} when there are none)."""
+    try:
+        return json.loads(Path(path).read_text()).get(library_key, {})
+    except FileNotFoundError:
+        return {}
+
+
 _blas = None
 
 
 # Timing the candidates picks the fastest algorithm per shape, but the pick can differ between processes
 # (timing noise) and with it the last bits of a product; moss-encode's bytes must not. So the process's
-# Blas runs the heuristic's first algorithm (fixed for one GPU and cuBLAS version) unless MOSS_GEMM_TUNE=1.
+# Blas runs the stored pick (PICKS) where this GPU and cuBLASLt have one for the shape, else the heuristic's
+# first algorithm (fixed for one GPU and cuBLAS version), unless MOSS_GEMM_TUNE=1.
 TUNE = os.environ.get("MOSS_GEMM_TUNE", "") == "1"
 
 

@@ -9,6 +9,7 @@ replay) next to transformers bf16 and the bandwidth floor (weight bytes read / m
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -40,6 +41,7 @@ VARIANTS = {
     "wide_products": {"narrow_products": False},
     "element_swiglu": {"packed_swiglu": False},
     "unfused_norm_rope": {"fuse_norm_rope": False},
+    "no_prefetch": {"prefetch_until": 0},
 }
 
 
@@ -263,10 +265,20 @@ def main():
         variant({"chunk_from": 0, "delta_walk": walk}, f"chunked_{gdn_chunk.walk_name(walk)}")
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
-    untuned, gemm._blas = gemm.blas(), gemm.Blas(tune=True)
+    default = gemm.blas()
+    result["gemm_stored_plans"] = sum(bool(p.get("stored")) for p in default._plans.values())
+    result["gemm_plans"] = len(default._plans)
+    gemm._blas = gemm.Blas(tune=True)
     for n, ids in prompts.items():
         speed[n]["ours_tuned_gemm_ms"] = replay_ms(enc, ids)
-    gemm._blas, enc._captured = untuned, {}
+    # the tuner's picks in PICKS' form (committed as cuda_kernels/GEMM_PICKS.json after a run)
+    with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "gemm_picks.json"), "w") as f:
+        json.dump({gemm._blas.library_key(): gemm._blas.tuned_picks()}, f, indent=1)
+    if result["gemm_stored_plans"]:     # the default ran stored picks: time the heuristic's choice too
+        gemm._blas, enc._captured = gemm.Blas(picks={}), {}
+        for n, ids in prompts.items():
+            speed[n]["ours_heuristic_gemm_ms"] = replay_ms(enc, ids)
+    gemm._blas, enc._captured = default, {}
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
     print("ours:", json.dumps(speed), flush=True)

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, flash, gdn, gdn_chunk, layout, norms, rope_attention
+from cuda_kernels import elementwise, embedding as emb, flash, gdn, gdn_chunk, layout, norms, prefetch, rope_attention
 from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
@@ -33,6 +33,11 @@ MAX_TOKENS = 32768
 # 112 tokens (0.050 against 0.059 ms a layer), the chunked form at 256 (0.076 against 0.103): they cross
 # near 150 tokens.
 CHUNK_FROM = 160
+# Prompt length up to which `prefetch` reads the next product's weight into L2 beside the kernels before
+# that product (there the products are bound by reading their weights), and the largest weight it reads
+# (the H200's L2 holds 50 MB; a [4096, 4096] bf16 weight is 33.5 MB).
+PREFETCH_UNTIL = 256
+PREFETCH_MAX_BYTES = 36 << 20
 
 
 class _View:
@@ -117,6 +122,9 @@ class CudaOps:
         self.narrow_products = True
         self.fuse_norm_rope = True     # q/k norm and rope in one kernel (norms.rms_norm_rope) where rows fit
         self.packed_swiglu = True      # swiglu on 8-byte words where rows allow (elementwise._words)
+        self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
+        self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
+        self._pending = {}             # id(weight) -> the event its prefetch records on the side stream
 
     # --- memory -------------------------------------------------------------------------------
     def new(self, shape, dtype=np.float32):
@@ -362,8 +370,40 @@ class CudaOps:
         bits = narrow and self.narrow_products and residual is None
         out = self.new((rows, w.shape[0]), np.uint16 if bits else np.float32)
         res = None if residual is None else residual.reshape(rows, w.shape[0])
+        if self._pending:
+            self.join_prefetches(w)
         blas().linear(xb, w, out, bias=b, residual=res, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
+
+    def prefetch(self, w, rows):
+        """The next product reads w: for a prompt of at most prefetch_until rows, read w into L2 now on a
+        side stream forked from this one (in a graph, a branch), joined back by the product (linear)."""
+        if SIMULATED or rows > self.prefetch_until or w.size * w.dtype.itemsize > PREFETCH_MAX_BYTES:
+            return
+        if self._side is None:
+            from cuda.core import Device, StreamOptions
+            core = Device().create_stream(options=StreamOptions(nonblocking=True))
+            self._side = (cuda.external_stream(stream_handle(core)), core,
+                          cuda.device_array(prefetch.BLOCKS, np.uint64))
+        side, _, sums = self._side
+        fork, done = cuda.event(timing=False), cuda.event(timing=False)
+        fork.record(self._numba_stream())
+        fork.wait(side)
+        prefetch.touch(prefetch.words(w), sums, stream=side)
+        done.record(side)
+        self._pending[id(w)] = done
+        if self.capturing:
+            self.kept += [fork, done]
+
+    def _numba_stream(self):
+        return cuda.default_stream() if self.stream == 0 else cuda.external_stream(stream_handle(self.stream))
+
+    def join_prefetches(self, w=None):
+        """This stream waits for w's prefetch (every pending one when w is None)."""
+        for key in ([id(w)] if w is not None else list(self._pending)):
+            done = self._pending.pop(key, None)
+            if done is not None:
+                done.wait(self._numba_stream())
 
     def linears(self, x, ws, narrow=False):
         """One product with the stacked weight; each projection is a column block of it (a strided view);
@@ -575,6 +615,7 @@ def capture(ops, run):
         ops.stream, ops.capturing = builder, True
         try:
             out = run()
+            ops.join_prefetches()          # a side branch must rejoin before the capture ends
         finally:
             ops.stream, ops.capturing = 0, False
             builder.end_building()

@@ -105,3 +105,32 @@ def test_the_search_is_not_widened_for_large_outputs(blas):
     info = blas.chosen(m, n, k, np.float32)
     assert info["candidates"] == info["heuristic"] <= 16
     assert not np.any(out.copy_to_host())
+
+
+def test_a_stored_pick_runs_the_tuned_algorithm_in_a_new_blas(blas, tmp_path):
+    """tuned_picks() written as PICKS stores them, read back by a Blas that does not tune: it runs the same
+    algorithm (same configuration, same bits); another GPU's or library's records are not read."""
+    import json
+
+    from numba import cuda
+
+    from cuda_kernels import gemm
+    k, n = SHAPES[1]
+    inp = _inputs(k, n)
+    x, w, residual = cuda.to_device(inp["x"]), cuda.to_device(inp["w"]), cuda.to_device(inp["residual"])
+    out = cuda.device_array((M, n), np.float32)
+    blas.linear(x, w, out, residual=residual)
+    tuned_bits = out.copy_to_host()
+    path = tmp_path / "picks.json"
+    path.write_text(json.dumps({blas.library_key(): blas.tuned_picks()}))
+    stored = gemm.Blas(picks=gemm.stored_picks(blas.library_key(), path))
+    out2 = cuda.device_array((M, n), np.float32)
+    stored.linear(x, w, out2, residual=residual)
+    info, tuned = stored.chosen(M, n, k, np.float32, accumulate=True), blas.chosen(M, n, k, np.float32, accumulate=True)
+    assert info["stored"] and not tuned["stored"]
+    assert [info[f] for f in ("id", "tile", "splitk", "reduction")] == [tuned[f] for f in ("id", "tile", "splitk", "reduction")]
+    assert np.array_equal(out2.copy_to_host(), tuned_bits)
+    plain = gemm.Blas(picks={})
+    plain.linear(x, w, out2, residual=residual)
+    assert not plain.chosen(M, n, k, np.float32, accumulate=True)["stored"]
+    assert gemm.stored_picks("no such GPU | cuBLASLt 0", path) == {}
