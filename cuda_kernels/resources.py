@@ -25,7 +25,8 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import elementwise, embedding, flash, gdn, gdn_chunk, gdn_setup, layout, mma, norms, prefetch, rope_attention
+    from . import (elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms, prefetch,
+                   rope_attention)
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -59,6 +60,8 @@ def _signatures():
         "rms_norm_rope_d256_r32": (norms._rms_rope(False, *row_team(256), 32 // row_team(256)[0]),
                                    (s3, f1, f2, f2, f3, t.float32, t.float32)),
         "sigmoid_gate_bf16_out": (elementwise._sigmoid_gate(False, True, elementwise._tiles(1, 256)[1]), (f3, s3, b3)),
+        "gdn_inputs_dk128": (gdn_inputs._make(False, 4, 128, 32), (s2, f2, s2, s2, f1, f1, f2, f2, f2, f2, f2,
+                                                                 t.float32, t.float32)),
         "gdn_gates": (gdn._gates[False], (s2, s2, f1, f1, f2, f2)),
         "rope": (rope_attention._rope[False], (f3, f2, f2, f3)),
         "softmax_causal_s1024": (rope_attention._softmax(False, *row_team(1024)), (f3, t.float32, t.boolean)),

@@ -182,12 +182,8 @@ class Qwen35Encoder:
         conv_w = self.w(p + "conv1d.weight")
         mixed, z, b, a = ops.linears(h, self.ws(*(p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))))
         ops.prefetch(self.w(p + "out_proj.weight"), L)      # read beside the conv, gates and delta rule
-        mixed = ops.causal_conv1d(mixed, ops.reshape(conv_w, (conv_w.shape[0], conv_w.shape[2])), activate=True)
-        q, k, v = ops.split(mixed, (hk * dk, hk * dk, hv * dv))
-        q = ops.l2_norm(ops.reshape(q, (L, hk, dk)), L2_EPS, scale=dk ** -0.5)
-        k = ops.l2_norm(ops.reshape(k, (L, hk, dk)), L2_EPS)
-        v = ops.reshape(v, (L, hv, dv))
-        g, beta = ops.gdn_gates(a, b, self.w(p + "A_log"), self.w(p + "dt_bias"))
+        q, k, v, g, beta = ops.gdn_inputs(mixed, ops.reshape(conv_w, (conv_w.shape[0], conv_w.shape[2])), a, b,
+                                          self.w(p + "A_log"), self.w(p + "dt_bias"), (hk, dk, hv, dv), L2_EPS)
         o = ops.gated_delta_rule(q, k, v, g, beta, form=self.form)
         z = ops.reshape(z, (L, hv, dv))
         y = ops.gated_rms_norm(o, z, self.w(p + "norm.weight"), c["rms_norm_eps"], operand=True)

@@ -41,7 +41,7 @@ VARIANTS = {
     "wide_products": {"narrow_products": False},
     "element_swiglu": {"packed_swiglu": False},
     "unfused_norm_rope": {"fuse_norm_rope": False},
-    "no_prefetch": {"prefetch_until": 0},
+    "unfused_gdn_inputs": {"fuse_gdn_inputs": False},
 }
 
 

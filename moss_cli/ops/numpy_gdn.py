@@ -31,6 +31,19 @@ class GdnOps:
         rate = self.scale(self.exp(a_log), -1.0)
         return rate * self.softplus(a + dt_bias), self.sigmoid(b)
 
+    def gdn_inputs(self, mixed, conv_w, a, b, a_log, dt_bias, heads, eps):
+        """The delta rule's inputs from the input product: mixed [L, 2 hk dk + hv dv] through the causal conv
+        + silu, split into q, k [L, hk, dk] (each head L2-normed, q also times dk^-0.5) and v [L, hv, dv];
+        g, beta from a, b (gdn_gates). heads = (hk, dk, hv, dv). One op so that a GPU table can fuse it."""
+        hk, dk, hv, dv = heads
+        L = mixed.shape[0]
+        mixed = self.causal_conv1d(mixed, conv_w, activate=True)
+        q, k, v = self.split(mixed, (hk * dk, hk * dk, hv * dv))
+        q = self.l2_norm(self.reshape(q, (L, hk, dk)), eps, scale=dk ** -0.5)
+        k = self.l2_norm(self.reshape(k, (L, hk, dk)), eps)
+        g, beta = self.gdn_gates(a, b, a_log, dt_bias)
+        return q, k, self.reshape(v, (L, hv, dv)), g, beta
+
     def gated_rms_norm(self, x, z, w, eps, operand=False):
         """w * x / sqrt(mean(x^2) + eps) * silu(z) over the last axis: the GDN output norm (plain w, norm then gate).
 

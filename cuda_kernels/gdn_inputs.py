@@ -1,0 +1,194 @@
+"""The Gated DeltaNet's inputs in one kernel: the causal depthwise conv + silu over the [q | k | v] channels,
+the L2 norm of every q and k head (q's also scaled), and the decay / write-strength gates.
+
+The same arithmetic as gdn.causal_conv1d, norms.l2_norm and gdn.gdn_gates in sequence (encoder.md 2.5),
+in one launch instead of four: for a short prompt each of those is a few microseconds of mostly launch
+and ramp. A block holds one head's dk channels (a thread each) over TOKENS tokens; a q or k head's block
+sums each token's squares across its threads (all tokens' sums reduced together). Blocks past the
+channels compute the gates for their tokens.
+"""
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
+from .gdn import causal_conv1d_reference, gdn_gates_reference
+from .norms import l2_norm_reference
+
+TOKENS = 2 if SIMULATED else 16
+
+
+def fits(dk):
+    """Whether heads of dk channels make a block: whole warps on the GPU."""
+    return 0 < dk <= 1024 and (SIMULATED or dk % 32 == 0)
+
+
+@functools.cache
+def _make(control, width, dk, qk_heads):
+    """Kernel for conv width `width`, dk channels per head, the first qk_heads heads of channels normalised
+    (q then k, half each). control: k gets q's scale instead of q."""
+    span = TOKENS + width - 1
+    warps = max(1, dk // 32)
+    shared = dk if SIMULATED else TOKENS * warps     # the simulator's team_sum needs a float per thread
+
+    @jit
+    def gdn_inputs(x, w, a, b, a_log, dt_bias, q, k, v, g, beta, eps, q_scale):
+        n, channels = x.shape[0], x.shape[1]
+        tid, group = cuda.threadIdx.x, cuda.blockIdx.x
+        t0 = cuda.blockIdx.y * TOKENS
+        if group >= (channels + dk - 1) // dk:          # the gates' block for these tokens
+            for h in range(tid, g.shape[1], dk):
+                rate = -math.exp(a_log[h])
+                bias = dt_bias[h]
+                for j in range(TOKENS):
+                    t = t0 + j
+                    if t < n:
+                        s = a[t, h] + bias
+                        g[t, h] = rate * (s if s > float32(20.0) else math.log1p(math.exp(s)))
+                        beta[t, h] = float32(1.0) / (float32(1.0) + math.exp(-b[t, h]))
+            return
+        ch = group * dk + tid
+        chc = min(ch, channels - 1)
+        taps = cuda.local.array(width, float32)
+        window = cuda.local.array(span, float32)
+        vals = cuda.local.array(TOKENS, float32)
+        sums = cuda.local.array(TOKENS, float32)
+        sh = cuda.shared.array(shared, float32)
+        for j in range(width):
+            taps[j] = w[chc, j]
+        for j in range(span):                           # inputs t0 - width + 1 .., zero outside
+            src = t0 - (width - 1) + j
+            window[j] = x[min(max(src, 0), n - 1), chc] if src >= 0 and src < n else float32(0.0)
+        for j in range(TOKENS):
+            acc = float32(0.0)
+            for i in range(width):
+                acc += taps[i] * window[j + i]
+            acc = acc / (float32(1.0) + math.exp(-acc))
+            vals[j] = acc if ch < channels else float32(0.0)
+        if group < qk_heads:                            # the whole block takes this branch
+            for j in range(TOKENS):
+                sums[j] = vals[j] * vals[j]
+            if SIMULATED:
+                for j in range(TOKENS):
+                    sums[j] = team_sum(sh, sums[j], dk)
+            else:                                       # all tokens' sums through the shuffles together
+                for step in (16, 8, 4, 2, 1):
+                    for j in range(TOKENS):
+                        sums[j] += cuda.shfl_xor_sync(0xFFFFFFFF, sums[j], step)
+                if tid % 32 == 0:
+                    for j in range(TOKENS):
+                        sh[j * warps + tid // 32] = sums[j]
+                cuda.syncthreads()
+                for j in range(TOKENS):
+                    total = float32(0.0)
+                    for i in range(warps):
+                        total += sh[j * warps + i]
+                    sums[j] = total
+            first = (group < qk_heads // 2) != control
+            scale = q_scale if first else float32(1.0)
+            for j in range(TOKENS):
+                vals[j] = vals[j] * (scale / math.sqrt(sums[j] + eps))
+        if ch >= channels:
+            return
+        half = qk_heads // 2 * dk
+        for j in range(TOKENS):
+            t = t0 + j
+            if t < n:
+                if ch < half:
+                    q[t, ch] = vals[j]
+                elif ch < 2 * half:
+                    k[t, ch - half] = vals[j]
+                else:
+                    v[t, ch - 2 * half] = vals[j]
+    return gdn_inputs
+
+
+def gdn_inputs(x, w, a, b, a_log, dt_bias, q, k, v, g, beta, eps, q_scale, dk, stream=0, control=False):
+    """From the input product's column blocks (any strides): x [L, C] the [q | k | v] channels (C = 2 hk dk +
+    hv dv), w [C, width] the conv taps, a, b [L, H]. Writes q, k [L, hk dk] = l2_norm(silu(conv(x))) per head
+    of dk channels (eps inside the root of the sum; q times q_scale), v [L, hv dv] = silu(conv(x)), and g,
+    beta [L, H] as gdn.gdn_gates. control: k scaled instead of q."""
+    if not fits(dk):
+        raise ValueError(f"gdn_inputs: heads of {dk} channels do not make a block")
+    qk_heads = 2 * q.shape[1] // dk
+    grid = (-(-x.shape[1] // dk) + 1, -(-x.shape[0] // TOKENS))
+    _make(control, w.shape[1], dk, qk_heads)[grid, dk, stream](x, w, a, b, a_log, dt_bias, q, k, v, g, beta,
+                                                               np.float32(eps), np.float32(q_scale))
+
+
+def gdn_inputs_reference(x, w, a, b, a_log, dt_bias, hk, dk, eps, q_scale):
+    """(q [L, hk, dk], k, v [L, C - 2 hk dk], g, beta) in float64, from the separate ops' references."""
+    y = causal_conv1d_reference(x, w)
+    n, half = x.shape[0], hk * dk
+    q = l2_norm_reference(y[:, :half].reshape(n, hk, dk), eps, q_scale)
+    k = l2_norm_reference(y[:, half:2 * half].reshape(n, hk, dk), eps, 1.0)
+    g, beta = gdn_gates_reference(a, b, a_log, dt_bias)
+    return q, k, y[:, 2 * half:], g, beta
+
+
+# --- contract --------------------------------------------------------------------------------------
+def _sizes(size):
+    """(tokens, hk, dk, hv, dv): tiny, or the 9B encoder's at 1000 tokens."""
+    return (5, 2, 8, 2, 8) if size == "tiny" else (1000, 16, 128, 32, 128)
+
+
+def _make_inputs(rng, size):
+    n, hk, dk, hv, dv = _sizes(size)
+    channels = 2 * hk * dk + hv * dv
+    wide = rng.standard_normal((n, channels + 2 * hv + 3)).astype(np.float32)
+    wide[:, channels:channels + hv] *= 8            # a: softplus's argument over its whole range
+    wide[1, :dk] *= np.float32(1e-3)                # a small q head, where eps matters
+    return {"wide": wide, "w": (rng.standard_normal((channels, 4)) * 0.5).astype(np.float32),
+            "a_log": np.log(rng.uniform(1, 16, hv)).astype(np.float32),
+            "dt_bias": rng.uniform(0.5, 1.5, hv).astype(np.float32), "eps": 1e-6}
+
+
+def _split(inp):
+    n, hk, dk, hv, dv = _sizes("tiny" if inp["wide"].shape[0] == 5 else "real")
+    channels = 2 * hk * dk + hv * dv
+    return n, hk, dk, hv, channels
+
+
+def _run(inp, control):
+    n, hk, dk, hv, channels = _split(inp)
+    wide = cuda.to_device(inp["wide"])
+    x, a, b = wide[:, :channels], wide[:, channels:channels + hv], wide[:, channels + hv:channels + 2 * hv]
+    q, k = cuda.device_array((n, hk * dk), np.float32), cuda.device_array((n, hk * dk), np.float32)
+    v = cuda.device_array((n, channels - 2 * hk * dk), np.float32)
+    g, beta = cuda.device_array((n, hv), np.float32), cuda.device_array((n, hv), np.float32)
+    gdn_inputs(x, cuda.to_device(inp["w"]), a, b, cuda.to_device(inp["a_log"]), cuda.to_device(inp["dt_bias"]),
+               q, k, v, g, beta, inp["eps"], dk ** -0.5, dk, control=control)
+    return np.concatenate([o.copy_to_host().ravel() for o in (q, k, v, g, beta)])
+
+
+def _ref(inp):
+    n, hk, dk, hv, channels = _split(inp)
+    wide = inp["wide"]
+    x, a, b = wide[:, :channels], wide[:, channels:channels + hv], wide[:, channels + hv:channels + 2 * hv]
+    q, k, v, g, beta = gdn_inputs_reference(x, inp["w"], a, b, inp["a_log"], inp["dt_bias"], hk, dk, inp["eps"],
+                                            dk ** -0.5)
+    # the conv's bound per channel (as gdn's contract: gamma_K of the terms, silu's slope below 1.1, 4 roundings)
+    y = causal_conv1d_reference(x, inp["w"])
+    conv = 1.1 * gamma(4) * causal_conv1d_reference(np.abs(x), np.abs(inp["w"]), activate=False) + 8 * EPS32 * np.abs(y)
+    bounds = []
+    for head, scale in ((slice(0, hk * dk), dk ** -0.5), (slice(hk * dk, 2 * hk * dk), 1.0)):
+        yh, ch = y[:, head].reshape(n, hk, dk), conv[:, head].reshape(n, hk, dk)
+        norm = np.sqrt(np.sum(yh * yh, axis=-1, keepdims=True) + inp["eps"])
+        dnorm = np.sqrt(np.sum(ch * ch, axis=-1, keepdims=True))
+        out = scale * yh / norm
+        # an input error d moves y / |y| by at most |d_i| / |y| + |y_i| |d| / |y|^2; then the norm's own
+        # roundings (gamma_dk of the sum of squares, half of it through the root, a few more)
+        bounds.append(scale * (ch + np.abs(yh) * dnorm / norm) / norm + (0.5 * gamma(dk) + 5 * EPS32) * np.abs(out))
+    bounds.append(conv[:, 2 * hk * dk:])
+    s = np.abs(a.astype(np.float64)) + np.abs(inp["dt_bias"])
+    bounds.append(10 * EPS32 * np.abs(g) + EPS32 * s * np.exp(inp["a_log"].astype(np.float64)))
+    bounds.append(10 * EPS32 * np.abs(beta))
+    ref = np.concatenate([o.ravel() for o in (q, k, v, g, beta)])
+    return ref, np.concatenate([o.ravel() for o in bounds]) + 1e-30
+
+
+CASES = [Case("gdn_inputs", _make_inputs, _run, _ref,
+              notes="conv + silu, q/k L2 norms, gates in one launch; control: k gets q's scale instead of q")]
