@@ -41,7 +41,7 @@ VARIANTS = {
     "wide_products": {"narrow_products": False},
     "element_swiglu": {"packed_swiglu": False},
     "unfused_norm_rope": {"fuse_norm_rope": False},
-    "unfused_gdn_inputs": {"fuse_gdn_inputs": False},
+    "fused_gdn_inputs": {"fuse_gdn_inputs": True},
 }
 
 
