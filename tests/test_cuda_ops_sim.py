@@ -122,6 +122,21 @@ ka, va = gpu.reshape(kva[:, :32], (6, 2, 16)), gpu.reshape(kva[:, 32:], (6, 2, 1
 check("attention flash, strided k v", gpu.attention(d(qa), ka, va, 0.25, causal=True),
       ref.attention(qa, gpu.host(ka), gpu.host(va), 0.25, causal=True), 2 ** -6)
 gpu.attention_form = "products"
+xr, wr = r(3, 2, 32), r(32)           # rows of 32 with 8 rotated pairs: the fused kernel's registers hold both
+cr, sr = np.cos(r(3, 8)), np.sin(r(3, 8))
+check("rms_norm_rope fused", gpu.rms_norm_rope(d(xr), d(wr), d(cr), d(sr), 1e-6, offset=1.0),
+      ref.rms_norm_rope(xr, wr, cr, sr, 1e-6, offset=1.0), 1e-5)
+check("rms_norm_rope apart", gpu.rms_norm_rope(d(x3), d(w8), d(cos), d(sin), 1e-6, offset=1.0),
+      ref.rms_norm_rope(x3, w8, cos, sin, 1e-6, offset=1.0), 1e-5)
+full = r(5, 26) * 2                   # [q | k | v] channels of heads (1, 8, 1, 8), then a and b, as in_proj leaves them
+a_log1, dt1 = np.log(np.abs(r(1)) + 1), r(1)
+want = ref.gdn_inputs(full[:, :24], cw, full[:, 24:25], full[:, 25:26], a_log1, dt1, (1, 8, 1, 8), 1e-6)
+for fused in (True, False):
+    gpu.fuse_gdn_inputs = fused
+    wide5 = d(full)
+    got = gpu.gdn_inputs(wide5[:, :24], d(cw), wide5[:, 24:25], wide5[:, 25:26], d(a_log1), d(dt1), (1, 8, 1, 8), 1e-6)
+    for name, gv, wv in zip(("q", "k", "v", "g", "beta"), got, want):
+        check(f"gdn_inputs {name}, fused={fused}", gv, wv, 1e-5)
 table = r(10, 8).astype(ml_dtypes.bfloat16)
 ids = np.array([3, 0, 9, 3])
 check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)

@@ -460,7 +460,7 @@ class CudaOps:
 
     def rms_norm_rope(self, x, w, cos, sin, eps, offset=0.0):
         """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two."""
-        if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[-1], cos.shape[1])):
+        if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[x.ndim - 1], cos.shape[1])):
             return self.rope(self.rms_norm(x, w, eps, offset), cos, sin)
         out = self.new(x.shape)
         norms.rms_norm_rope(x, w, cos, sin, out, eps, offset, stream=self.stream)

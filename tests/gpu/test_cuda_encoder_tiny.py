@@ -64,8 +64,9 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
 
 
 def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path):
-    """Each process plans its products anew (cuBLASLt's algorithms by its heuristic, no timing unless
-    MOSS_GEMM_TUNE=1), so two runs of the command must write identical files."""
+    """Each process plans its products anew (the stored pick of cuda_kernels/GEMM_PICKS.json for this GPU and
+    cuBLASLt where there is one, else cuBLASLt's heuristic; no timing unless MOSS_GEMM_TUNE=1), so two runs
+    of the command must write identical files."""
     import os
     from cli_util import run
     env = {k: v for k, v in os.environ.items() if k != "MOSS_GEMM_TUNE"}
