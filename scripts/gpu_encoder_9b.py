@@ -226,17 +226,22 @@ def main():
             enc(ids, out=kept)
             reused.append(enc.timings["total_s"])
         pinned, pinned_gpu, pinned_copy, held = [], [], [], enc.host_rows(len(ids))
+        host_steps = {"ids_s": [], "queue_s": [], "wait_s": []}
         for _ in range(10):             # into a pinned array the caller keeps: the copy is one DMA
             enc(ids, out=held)
             pinned.append(enc.timings["total_s"])
             pinned_gpu.append(enc.timings["gpu_s"])
             pinned_copy.append(enc.timings["copy_s"])
+            for key, times in host_steps.items():
+                times.append(enc.timings.get(key, float("nan")))
         speed[n] = {"ours_ms": 1e3 * statistics.median(totals), "ours_host_ms": 1e3 * statistics.median(hosts),
                     "ours_into_kept_array_ms": 1e3 * statistics.median(reused),
                     "ours_into_pinned_ms": 1e3 * statistics.median(pinned),
                     "ours_into_pinned_gpu_ms": 1e3 * statistics.median(pinned_gpu),
                     "ours_into_pinned_copy_ms": 1e3 * statistics.median(pinned_copy),
                     "pinned_equals_fresh": held.tobytes() == rows.tobytes(),
+                    **{f"ours_into_pinned_{key[:-2]}_ms": 1e3 * statistics.median(times)
+                       for key, times in host_steps.items()},
                     "ours_to_synced_ms": 1e3 * statistics.median(gpus), "ours_rows_copy_ms": 1e3 * statistics.median(copies),
                     "ours_eager_ms": eager_ms,
                     "bucket": enc.timings["bucket"], "capture_s": capture_s,

@@ -601,6 +601,7 @@ class CudaEncoder:
         began, ran, copied = cuda.event(), cuda.event(), cuda.event()
         start = time.perf_counter()
         ids_buffer.copy_to_device(padded, stream=queue)
+        uploaded = time.perf_counter()
         began.record(queue)
         graph.launch(stream)
         ran.record(queue)
@@ -609,7 +610,10 @@ class CudaEncoder:
         launched = time.perf_counter()
         copied.synchronize()
         done = time.perf_counter()
+        # host: the calls' own time (ids_s: the ids' copy call; queue_s: graph launch, copy and events
+        # queued; wait_s: until the copy's event); gpu_s, copy_s: CUDA events on the stream
         self.timings = {"host_s": launched - start, "total_s": done - start, "bucket": size,
+                        "ids_s": uploaded - start, "queue_s": launched - uploaded, "wait_s": done - launched,
                         "gpu_s": cuda.event_elapsed_time(began, ran) / 1e3,
                         "copy_s": cuda.event_elapsed_time(ran, copied) / 1e3}
         return out
