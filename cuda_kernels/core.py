@@ -42,9 +42,26 @@ def allow_shared(kernel, args, nbytes):
     driver.cuKernelSetAttribute(attr, int(nbytes), func.handle, func.device.id)
 
 
+@jit(device=True, forceinline=True)
+def as_float32(bits):
+    """The float32 whose bits are `bits` (uint32): a reinterpretation, no conversion."""
+    buf = cuda.local.array(1, uint32)
+    buf[0] = bits
+    return buf.view(np.float32)[0]
+
+
+@jit(device=True, forceinline=True)
+def float32_bits(x):
+    """The bits of float32 x as a uint32 (as_float32's inverse)."""
+    buf = cuda.local.array(1, float32)
+    buf[0] = x
+    return buf.view(np.uint32)[0]
+
+
 @jit(device=True)
 def widen(bits):
-    """bf16 bits (uint16) -> float32: the bf16 is the high half of the float32."""
+    """bf16 bits (uint16) -> float32: the bf16 is the high half of the float32. (Its own reinterpretation:
+    through as_float32 the packed swiglu's sm_90 code grows by 8 instructions, RESOURCES.json.)"""
     buf = cuda.local.array(1, uint32)
     buf[0] = uint32(bits) << uint32(16)
     return buf.view(np.float32)[0]
@@ -53,9 +70,7 @@ def widen(bits):
 @jit(device=True)
 def narrow(x):
     """float32 -> bf16 bits, round to nearest even (NaN not special-cased)."""
-    buf = cuda.local.array(1, float32)
-    buf[0] = x
-    b = buf.view(np.uint32)[0]
+    b = float32_bits(x)
     b = b + uint32(0x7FFF) + ((b >> uint32(16)) & uint32(1))
     return uint16(b >> uint32(16))
 

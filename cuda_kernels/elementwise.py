@@ -7,7 +7,8 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from .core import BLOCK, EPS32, SIMULATED, Case, bf16_bound, from_bf16_bits, jit, narrow, to_bf16_bits, widen
+from .core import (BLOCK, EPS32, SIMULATED, Case, as_float32, bf16_bound, float32_bits, from_bf16_bits, jit, narrow,
+                   to_bf16_bits, widen)
 
 SCALE, SIGMOID, SILU, TANH, EXP, SOFTPLUS = range(6)
 UNARY = {"scale": SCALE, "sigmoid": SIGMOID, "silu": SILU, "tanh": TANH, "exp": EXP, "softplus": SOFTPLUS}
@@ -28,9 +29,7 @@ def _make_cast(control):
         start, stride = cuda.grid(1), cuda.gridsize(1)
         for i in range(start, x.size, stride):
             if control:
-                buf = cuda.local.array(1, float32)
-                buf[0] = x[i]
-                out[i] = uint16(buf.view(np.uint32)[0] >> uint32(16))
+                out[i] = uint16(float32_bits(x[i]) >> uint32(16))
             else:
                 out[i] = narrow(x[i])
     return cast_bf16
@@ -178,20 +177,6 @@ def _swiglu(control, bits, team, bits_in=False):
 PACK = 4
 
 
-@jit(device=True, forceinline=True)
-def _as_float(bits):
-    buf = cuda.local.array(1, uint32)
-    buf[0] = bits
-    return buf.view(np.float32)[0]
-
-
-@jit(device=True, forceinline=True)
-def _float_bits(x):
-    buf = cuda.local.array(1, float32)
-    buf[0] = x
-    return buf.view(np.uint32)[0]
-
-
 @functools.cache
 def _load4(bits):
     """Elements 4c .. 4c + 3 of row r of a packed operand (bf16: one uint64 word; float32: two) into v."""
@@ -204,8 +189,8 @@ def _load4(bits):
         else:
             for e in range(2):
                 word = a[r, 2 * c + e]
-                v[2 * e] = _as_float(uint32(word & uint64(0xFFFFFFFF)))
-                v[2 * e + 1] = _as_float(uint32(word >> uint64(32)))
+                v[2 * e] = as_float32(uint32(word & uint64(0xFFFFFFFF)))
+                v[2 * e + 1] = as_float32(uint32(word >> uint64(32)))
     return load4
 
 
@@ -241,8 +226,8 @@ def _swiglu_packed(control, bits, team, bits_in):
                     out[r, c] = word
                 else:
                     for e in range(2):
-                        lo = uint64(_float_bits(silu(g[j, 2 * e]) * u[j, 2 * e]))
-                        hi = uint64(_float_bits(silu(g[j, 2 * e + 1]) * u[j, 2 * e + 1]))
+                        lo = uint64(float32_bits(silu(g[j, 2 * e]) * u[j, 2 * e]))
+                        hi = uint64(float32_bits(silu(g[j, 2 * e + 1]) * u[j, 2 * e + 1]))
                         out[r, 2 * c + e] = lo | (hi << uint64(32))
     return swiglu_packed
 
