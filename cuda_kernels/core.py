@@ -136,6 +136,20 @@ def team_max(sh, value, team):
     return team_reduce(sh, value, team, True)
 
 
+class DeviceView:
+    """The memory of `base` (anything with a __cuda_array_interface__) seen with another shape, byte strides
+    (None: C-contiguous) or element type (a typestr such as "<u8"; None: base's), without a copy. It keeps
+    base alive; cuda.as_cuda_array makes it a numba device array."""
+
+    def __init__(self, base, shape, strides=None, typestr=None):
+        face = base.__cuda_array_interface__
+        self.base = base
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr or face["typestr"],
+            "strides": None if strides is None else tuple(strides),
+            "data": (face["data"][0], False), "version": 3, "stream": None}
+
+
 def heads_view(rows, start, heads, d):
     """Columns [start, start + heads d) of a device matrix as a strided [L, heads, d] view, as the graph
     hands a column block of a stacked product to a kernel (numba's reshape refuses strided arrays)."""

@@ -7,8 +7,8 @@ import math
 import numpy as np
 from numba import cuda, float32, uint16, uint32, uint64
 
-from .core import (BLOCK, EPS32, SIMULATED, Case, as_float32, bf16_bound, float32_bits, from_bf16_bits, jit, narrow,
-                   to_bf16_bits, widen)
+from .core import (BLOCK, EPS32, SIMULATED, Case, DeviceView, as_float32, bf16_bound, float32_bits, from_bf16_bits,
+                   jit, narrow, to_bf16_bits, widen)
 
 SCALE, SIGMOID, SILU, TANH, EXP, SOFTPLUS = range(6)
 UNARY = {"scale": SCALE, "sigmoid": SIGMOID, "silu": SILU, "tanh": TANH, "exp": EXP, "softplus": SOFTPLUS}
@@ -232,23 +232,10 @@ def _swiglu_packed(control, bits, team, bits_in):
     return swiglu_packed
 
 
-class _Words:
-    """An [R, N] array with unit element stride seen as 8-byte words (no copy; keeps the array alive)."""
-
-    def __init__(self, a):
-        face = a.__cuda_array_interface__
-        item = np.dtype(face["typestr"]).itemsize
-        rows, n = face["shape"]
-        row_stride = face["strides"][0] if face["strides"] else n * item
-        self.base = a
-        self.__cuda_array_interface__ = {
-            "shape": (rows, n * item // 8), "typestr": "<u8", "strides": (row_stride, 8),
-            "data": (face["data"][0], False), "version": 3, "stream": None}
-
-
 def _words(a):
-    """a as 8-byte words (_Words) when its rows can be read so: unit element stride, 8-byte aligned start
-    and row stride, a whole number of words per row; else None. (The simulator: a numpy view.)"""
+    """a's rows as 8-byte words [R, N item / 8] (a DeviceView, no copy) when they can be read so: unit element
+    stride, 8-byte aligned start and row stride, a whole number of words per row; else None. (The simulator:
+    a numpy view.)"""
     if SIMULATED:
         host = a._ary
         data, strides, n, item = host.ctypes.data, host.strides, host.shape[1], host.itemsize
@@ -262,7 +249,7 @@ def _words(a):
     if SIMULATED:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return FakeCUDAArray(host.view(np.uint64))
-    return cuda.as_cuda_array(_Words(a))
+    return cuda.as_cuda_array(DeviceView(a, (a.shape[0], n * item // 8), (strides[0], 8), "<u8"))
 
 
 def swiglu(gate, up, out, stream=0, control=False, packed=True):
@@ -473,7 +460,8 @@ CASES = [
     Case("swiglu_bf16_in_out", _make_binary_inputs, lambda i, c: _run_swiglu(i, c, True), _ref_swiglu_bits_in,
          notes="gate and up as bf16 bits; control: silu of up times gate"),
     Case("swiglu_elements", _make_binary_inputs, lambda i, c: _run_swiglu(i, c, True, packed=False),
-         _ref_swiglu_bits_in, notes="the element kernel (rows that cannot be read as words); control: operands swapped"),
+         _ref_swiglu_bits_in,
+         notes="the element kernel (rows that cannot be read as words); control: operands swapped"),
     Case("swiglu_float_out", _make_binary_inputs, lambda i, c: _run_swiglu_float(i, c), _ref_swiglu_float,
          notes="float32 in and out, packed; control: operands swapped"),
     Case("sigmoid_gate_bf16_out", _make_binary_inputs, _run_sigmoid_gate, _ref_sigmoid_gate,

@@ -11,7 +11,7 @@ testable against numpy.
 import numpy as np
 from numba import cuda, uint64
 
-from .core import BLOCK, SIMULATED, Case, jit
+from .core import BLOCK, SIMULATED, Case, DeviceView, jit
 
 UNROLL = 2 if SIMULATED else 8        # loads in flight per thread per round
 BLOCKS = 2 if SIMULATED else 264       # two blocks per SM of the H200
@@ -30,7 +30,7 @@ def _make_touch(control):
                 i = base + uint64(u * BLOCK)
                 if i < n and not (control and u == UNROLL - 1):
                     acc ^= words[i]
-        # the block's XOR: lanes through shuffles, warps through shared memory
+        # the block's XOR: every thread's word in shared memory, combined by thread 0
         sh = cuda.shared.array(BLOCK, uint64)
         sh[tid] = acc
         cuda.syncthreads()
@@ -45,23 +45,12 @@ def _make_touch(control):
 _touch = {c: _make_touch(c) for c in (False, True)}
 
 
-class _Flat:
-    """A contiguous device array's bytes as 8-byte words [nbytes // 8] (no copy; keeps the array alive)."""
-
-    def __init__(self, a):
-        face = a.__cuda_array_interface__
-        nbytes = int(np.prod(face["shape"])) * np.dtype(face["typestr"]).itemsize
-        self.base = a
-        self.__cuda_array_interface__ = {"shape": (nbytes // 8,), "typestr": "<u8", "strides": None,
-                                         "data": (face["data"][0], False), "version": 3, "stream": None}
-
-
 def words(a):
     """A contiguous array (8-byte aligned, whole words) as uint64 words; the simulator: a numpy view."""
     if SIMULATED:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return FakeCUDAArray(a._ary.reshape(-1).view(np.uint64))
-    return cuda.as_cuda_array(_Flat(a))
+    return cuda.as_cuda_array(DeviceView(a, (a.size * a.dtype.itemsize // 8,), None, "<u8"))
 
 
 def touch(w, sums, stream=0, control=False):

@@ -20,7 +20,7 @@ from numba import cuda
 
 from cuda_kernels import (elementwise, embedding as emb, flash, gdn, gdn_chunk, gdn_inputs, layout, norms, prefetch,
                           rope_attention)
-from cuda_kernels.core import SIMULATED, from_bf16_bits, to_bf16_bits
+from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, text_config
@@ -44,30 +44,11 @@ PREFETCH_UNTIL = 0
 PREFETCH_MAX_BYTES = 36 << 20
 
 
-class _View:
-    """A strided view of a device array (what numba's reshape refuses for non-contiguous arrays)."""
-
-    def __init__(self, x, shape, strides):
-        self.base = x
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": x.dtype.str, "strides": tuple(strides),
-            "data": (x.__cuda_array_interface__["data"][0], False), "version": 3, "stream": None}
-
-
 class Stacked:
     """Weights stacked along their output rows [sum N, K] (bf16 bits) and each one's row count."""
 
     def __init__(self, weight, sizes):
         self.weight, self.sizes = weight, tuple(sizes)
-
-
-class _Lease:
-    """A pooled buffer lent out as a numba array; every view keeps it alive, its death returns it."""
-
-    def __init__(self, base, shape, dtype):
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": np.dtype(dtype).str, "strides": None,
-            "data": (base.__cuda_array_interface__["data"][0], False), "version": 3, "stream": None}
 
 
 def _is_bf16(dtype):
@@ -144,7 +125,7 @@ class CudaOps:
         nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
         free = self._free[nbytes]
         base = free.pop() if free else cuda.device_array(nbytes, np.uint8)
-        lease = _Lease(base, shape, dtype)
+        lease = DeviceView(base, shape, None, np.dtype(dtype).str)   # lent out: its death returns base
         weakref.finalize(lease, free.append, base)
         return cuda.as_cuda_array(lease, sync=False)
 
@@ -233,7 +214,7 @@ class CudaOps:
         strides = _view_strides(x, shape)
         if strides is None:
             raise ValueError(f"reshape {x.shape} -> {shape} of a strided array needs a copy")
-        return cuda.as_cuda_array(_View(x, shape, strides), sync=False)
+        return cuda.as_cuda_array(DeviceView(x, shape, strides), sync=False)
 
     def _copy(self, src, src_offset, src_strides, dst, dst_offset, dst_strides, shape):
         layout.strided_copy(src.reshape(src.size), src_offset, src_strides, dst.reshape(dst.size), dst_offset,
@@ -276,7 +257,7 @@ class CudaOps:
         item = x.dtype.itemsize
         strides = tuple(s // item for s in x.strides)
         span = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides))
-        return cuda.as_cuda_array(_View(x, (span,), (item,)), sync=False), strides
+        return cuda.as_cuda_array(DeviceView(x, (span,), (item,)), sync=False), strides
 
     def slice(self, x, axis, start, stop):
         axis %= x.ndim
