@@ -8,6 +8,7 @@ decay and beta come in tiles through shared memory, the next tile's global loads
 registers) while the current tile runs.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -23,12 +24,37 @@ GEOMETRY = (2, 32, 4, 2) if SIMULATED else (8, 256, 16, 1)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
-def _make_conv(control, width):
-    """The conv for kernel width `width` (unrolled): each thread runs one channel over CONV_TOKENS
-    consecutive tokens, keeping the taps and its window of inputs in registers. All the window's loads
-    are issued before the first store (a store may alias a later load: loads written after one wait
-    for it)."""
+@functools.cache
+def conv_steps(width):
+    """The conv's per-thread steps for kernel width `width` (unrolled), shared by every kernel that runs it:
+    (span, load, output). load(x, w, ch, t0, taps, window, reverse) puts channel ch's taps (reversed: the
+    control's correlation) and its inputs t0 - width + 1 .. t0 + CONV_TOKENS - 1 (zero outside) in
+    registers, all loads issued before any store of the caller's (a store may alias a later load: loads
+    written after one wait for it); output(taps, window, j) is token t0 + j's sum, before any silu."""
     span = CONV_TOKENS + width - 1
+
+    @jit(device=True, forceinline=True)
+    def load(x, w, ch, t0, taps, window, reverse):
+        n = x.shape[0]
+        for j in range(width):
+            taps[j] = w[ch, width - 1 - j] if reverse else w[ch, j]
+        for j in range(span):
+            src = t0 - (width - 1) + j
+            window[j] = x[min(max(src, 0), n - 1), ch] if src >= 0 and src < n else float32(0.0)
+
+    @jit(device=True, forceinline=True)
+    def output(taps, window, j):
+        acc = float32(0.0)
+        for i in range(width):
+            acc += taps[i] * window[j + i]
+        return acc
+    return span, load, output
+
+
+def _make_conv(control, width):
+    """The conv for kernel width `width`: each thread runs one channel over CONV_TOKENS consecutive tokens,
+    keeping the taps and its window of inputs in registers (conv_steps)."""
+    span, load, output = conv_steps(width)
 
     @jit
     def causal_conv1d(x, w, out, activate):
@@ -38,16 +64,10 @@ def _make_conv(control, width):
             return
         taps = cuda.local.array(width, float32)
         window = cuda.local.array(span, float32)
-        for j in range(width):
-            taps[j] = w[ch, width - 1 - j] if control else w[ch, j]
         t0 = cuda.blockIdx.y * CONV_TOKENS
-        for j in range(span):               # inputs t0 - width + 1 .. t0 + CONV_TOKENS - 1, zero outside
-            src = t0 - (width - 1) + j
-            window[j] = x[min(max(src, 0), n - 1), ch] if src >= 0 and src < n else float32(0.0)
+        load(x, w, ch, t0, taps, window, control)
         for j in range(CONV_TOKENS):
-            acc = float32(0.0)
-            for i in range(width):
-                acc += taps[i] * window[j + i]
+            acc = output(taps, window, j)
             if activate:
                 acc = acc / (float32(1.0) + math.exp(-acc))
             if t0 + j < n:
@@ -265,6 +285,15 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     return gated_delta_rule
 
 
+@jit(device=True, forceinline=True)
+def gates_at(a, b, t, h, rate, bias):
+    """Token t's (g, beta) of head h: rate softplus(a + bias) (torch's softplus: the argument itself above 20)
+    and sigmoid(b), rate = -exp(A_log)."""
+    s = a[t, h] + bias
+    return (rate * (s if s > float32(20.0) else math.log1p(math.exp(s))),
+            float32(1.0) / (float32(1.0) + math.exp(-b[t, h])))
+
+
 def _make_gates(control):
     @jit
     def gdn_gates(a, b, a_log, dt_bias, g, beta):
@@ -274,9 +303,7 @@ def _make_gates(control):
         rate = -math.exp(a_log[h])
         bias = float32(0.0) if control else dt_bias[h]
         for t in range(cuda.blockIdx.y, g.shape[0], cuda.gridDim.y):
-            s = a[t, h] + bias
-            g[t, h] = rate * (s if s > float32(20.0) else math.log1p(math.exp(s)))
-            beta[t, h] = float32(1.0) / (float32(1.0) + math.exp(-b[t, h]))
+            g[t, h], beta[t, h] = gates_at(a, b, t, h, rate, bias)
     return gdn_gates
 
 

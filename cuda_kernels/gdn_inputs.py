@@ -15,10 +15,10 @@ import numpy as np
 from numba import cuda, float32
 
 from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
-from .gdn import causal_conv1d_reference, gdn_gates_reference
+from .gdn import CONV_TOKENS, causal_conv1d_reference, conv_steps, gates_at, gdn_gates_reference
 from .norms import l2_norm_reference
 
-TOKENS = 2 if SIMULATED else 16
+TOKENS = CONV_TOKENS
 
 
 def fits(dk):
@@ -30,7 +30,7 @@ def fits(dk):
 def _make(control, width, dk, qk_heads):
     """Kernel for conv width `width`, dk channels per head, the first qk_heads heads of channels normalised
     (q then k, half each). control: k gets q's scale instead of q."""
-    span = TOKENS + width - 1
+    span, load, output = conv_steps(width)
     warps = max(1, dk // 32)
     shared = dk if SIMULATED else TOKENS * warps     # the simulator's team_sum needs a float per thread
 
@@ -46,9 +46,7 @@ def _make(control, width, dk, qk_heads):
                 for j in range(TOKENS):
                     t = t0 + j
                     if t < n:
-                        s = a[t, h] + bias
-                        g[t, h] = rate * (s if s > float32(20.0) else math.log1p(math.exp(s)))
-                        beta[t, h] = float32(1.0) / (float32(1.0) + math.exp(-b[t, h]))
+                        g[t, h], beta[t, h] = gates_at(a, b, t, h, rate, bias)
             return
         ch = group * dk + tid
         chc = min(ch, channels - 1)
@@ -57,15 +55,9 @@ def _make(control, width, dk, qk_heads):
         vals = cuda.local.array(TOKENS, float32)
         sums = cuda.local.array(TOKENS, float32)
         sh = cuda.shared.array(shared, float32)
-        for j in range(width):
-            taps[j] = w[chc, j]
-        for j in range(span):                           # inputs t0 - width + 1 .., zero outside
-            src = t0 - (width - 1) + j
-            window[j] = x[min(max(src, 0), n - 1), chc] if src >= 0 and src < n else float32(0.0)
+        load(x, w, chc, t0, taps, window, False)
         for j in range(TOKENS):
-            acc = float32(0.0)
-            for i in range(width):
-                acc += taps[i] * window[j + i]
+            acc = output(taps, window, j)
             acc = acc / (float32(1.0) + math.exp(-acc))
             vals[j] = acc if ch < channels else float32(0.0)
         if group < qk_heads:                            # the whole block takes this branch
