@@ -16,11 +16,11 @@ from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
 
-# (threads per state column, threads per block, tokens per tile, tokens per group) for the delta rule
-# (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2, 1.6 and 2.7 times
-# slower than token by token (BENCHMARKS.md); the simulator pays per thread, so it gets one warp, short
-# tiles, and groups of 2 (so CI runs the group algebra).
-GEOMETRY = (2, 32, 4, 2) if SIMULATED else (8, 256, 16, 1)
+# (threads per state column, threads per block, tokens per tile, tokens per group, state columns per thread)
+# for the delta rule (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2,
+# 1.6 and 2.7 times slower than token by token (BENCHMARKS.md); the simulator pays per thread, so it gets
+# one warp, short tiles, groups of 2 and two columns a thread (so CI runs the group and column algebra).
+GEOMETRY = (2, 32, 4, 2, 2) if SIMULATED else (8, 256, 16, 1, 1)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
 
 
@@ -75,10 +75,15 @@ def _make_conv(control, width):
     return causal_conv1d
 
 
-def _make_delta_rule(control, dk, parts, threads, tile, group):
+def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
     """The kernel for key dim dk with `parts` threads per column (dk % (4 parts) == 0), `threads` per
     block (threads % parts == 0; whole warps on the GPU, the shuffles need all lanes), `tile` tokens per
-    tile (tile * dk % threads == 0) and `group` tokens resolved together (tile % group == 0).
+    tile (tile * dk % threads == 0), `group` tokens resolved together (tile % group == 0) and `cols`
+    state columns per thread (neighbours: slot cols + 0..cols-1).
+
+    Every thread reads its rows of each token's k and q from shared memory; with `cols` columns a thread
+    those reads serve cols columns, so a block's shared-memory traffic per token is 1 / cols of one
+    column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic).
 
     A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q
     four words at a time, and the parts of one column read neighbouring 16-byte words of a row (no bank
@@ -94,11 +99,12 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     The token loop indexes flat shared arrays with unsigned integers: numba wraps signed indices
     (negative ones count from the end), which cost eight 64-bit instructions per load there.
     """
-    per, columns = dk // parts, threads // parts
+    per, columns = dk // parts, threads // parts * cols
     fetch = tile * dk // threads                  # k (and q) values each thread loads per tile
     vfetch = (tile * columns + threads - 1) // threads
     tile_k, tile_v, tile_c = tile * dk, tile * columns, tile * group   # flat shared sizes (constants)
     cached = group * per                          # k values of a group kept for the state update
+    held, sums, acc_n = per * cols, group * cols, 4 * cols   # local sizes: state, per-column sums, partials
 
     @jit(device=True)
     def row_dot(red, xs, ys, rx, ry, lane):
@@ -138,7 +144,7 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
     @jit
     def gated_delta_rule(q, k, v, g, beta, out):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        part, slot = tid % parts, tid // parts
+        part, slot = tid % parts, tid // parts * cols       # slot: the thread's first column in the block
         col0 = cuda.blockIdx.y * columns
         n, n_hk = q.shape[0], q.shape[1]
         n_hv, dv = v.shape[1], v.shape[2]
@@ -158,19 +164,20 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
         bs = cuda.shared.array(tile, float32)
         ckk = cuda.shared.array(tile_c, float32)            # [token, l] flat
         cqk = cuda.shared.array(tile_c, float32)
-        state = cuda.local.array(per, float32)
+        state = cuda.local.array(held, float32)           # [column, row]
         kc = cuda.local.array(cached, float32)
-        a = cuda.local.array(group, float32)
-        b = cuda.local.array(group, float32)
-        dl = cuda.local.array(group, float32)
+        a = cuda.local.array(sums, float32)       # [column, token]: a, b, dl, vj
+        b = cuda.local.array(sums, float32)
+        dl = cuda.local.array(sums, float32)
         ej = cuda.local.array(group, float32)
         bj = cuda.local.array(group, float32)
-        vj = cuda.local.array(group, float32)
+        vj = cuda.local.array(sums, float32)
+        acc = cuda.local.array(acc_n, float32)
         wj = cuda.local.array(group, float32)
         pk = cuda.local.array(fetch, float32)
         pq = cuda.local.array(fetch, float32)
         pv = cuda.local.array(vfetch, float32)
-        for i in range(per):
+        for i in range(held):
             state[i] = float32(0.0)
         utid, uhk, uhv, ucol0 = uint64(tid), uint64(hk), uint64(hv), uint64(col0)
         # the first tile's loads (each later tile's are issued before the tile before it runs)
@@ -226,56 +233,63 @@ def _make_delta_rule(control, dk, parts, threads, tile, group):
                 j0 = grp * uint64(group)
                 for j in range(group):          # the group's scalars first, in flight during the dots
                     r = j0 + uint64(j)
-                    ej[j], bj[j], vj[j], wj[j] = eg[r], bs[r], vs[r * uint64(columns) + uslot], ew[r]
+                    ej[j], bj[j], wj[j] = eg[r], bs[r], ew[r]
+                    for ci in range(cols):
+                        vj[ci * group + j] = vs[r * uint64(columns) + uslot + uint64(ci)]
                 for j in range(group):
                     rk = (j0 + uint64(j)) * uint64(dk) + uquad
-                    a0 = float32(0.0)           # two sums per dot product: half the serial chain
-                    a1 = float32(0.0)
-                    b0 = float32(0.0)
-                    b1 = float32(0.0)
+                    for c in range(acc_n):      # two sums per dot product: half the serial chain
+                        acc[c] = float32(0.0)
                     for i in range(0, per, 2):
                         at0 = (i // 4) * 4 * parts + i % 4      # rows of state[i], state[i + 1], less 4 part
                         k0, k1 = ks[rk + uint64(at0)], ks[rk + uint64(at0 + 1)]
+                        q0, q1 = qs[rk + uint64(at0)], qs[rk + uint64(at0 + 1)]
                         kc[j * per + i] = k0
                         kc[j * per + i + 1] = k1
-                        a0 += state[i] * k0
-                        a1 += state[i + 1] * k1
-                        b0 += state[i] * qs[rk + uint64(at0)]
-                        b1 += state[i + 1] * qs[rk + uint64(at0 + 1)]
-                    a[j] = a0 + a1
-                    b[j] = b0 + b1
+                        for ci in range(cols):
+                            s0, s1 = state[ci * per + i], state[ci * per + i + 1]
+                            acc[4 * ci] += s0 * k0
+                            acc[4 * ci + 1] += s1 * k1
+                            acc[4 * ci + 2] += s0 * q0
+                            acc[4 * ci + 3] += s1 * q1
+                    for ci in range(cols):
+                        a[ci * group + j] = acc[4 * ci] + acc[4 * ci + 1]
+                        b[ci * group + j] = acc[4 * ci + 2] + acc[4 * ci + 3]
                 if SIMULATED:
-                    for j in range(group):
+                    for j in range(group * cols):
                         a[j] = team_sum(red, a[j], parts)
                         b[j] = team_sum(red, b[j], parts)
                 else:                           # team_sum's shuffles, the group's 2 group sums interleaved
                     step = 1
                     while step < parts:
-                        for j in range(group):
+                        for j in range(group * cols):
                             a[j] += cuda.shfl_xor_sync(0xFFFFFFFF, a[j], step)
                             b[j] += cuda.shfl_xor_sync(0xFFFFFFFF, b[j], step)
                         step *= 2
-                for j in range(group):
-                    r = j0 + uint64(j)
-                    d = bj[j] * (vj[j] - ej[j] * a[j])
-                    for l in range(j):
-                        d -= ckk[r * uint64(group) + uint64(l)] * dl[l]
-                    dl[j] = d
-                for j in range(group):
-                    r = j0 + uint64(j)
-                    o = ej[j] * b[j]
-                    for l in range(group):
-                        o += cqk[r * uint64(group) + uint64(l)] * dl[l]
-                    if part == 0:
-                        os[r * uint64(columns) + uslot] = o
+                for ci in range(cols):
+                    c0 = ci * group
+                    for j in range(group):
+                        r = j0 + uint64(j)
+                        d = bj[j] * (vj[c0 + j] - ej[j] * a[c0 + j])
+                        for l in range(j):
+                            d -= ckk[r * uint64(group) + uint64(l)] * dl[c0 + l]
+                        dl[c0 + j] = d
+                    for j in range(group):
+                        r = j0 + uint64(j)
+                        o = ej[j] * b[c0 + j]
+                        for l in range(group):
+                            o += cqk[r * uint64(group) + uint64(l)] * dl[c0 + l]
+                        if part == 0:
+                            os[r * uint64(columns) + uslot + uint64(ci)] = o
                 decay = ej[group - 1]
-                for l in range(group):
-                    dl[l] *= wj[l]
-                for i in range(per):
-                    s = decay * state[i]
+                for ci in range(cols):
                     for l in range(group):
-                        s += kc[l * per + i] * dl[l]
-                    state[i] = s
+                        dl[ci * group + l] *= wj[l]
+                    for i in range(per):
+                        s = decay * state[ci * per + i]
+                        for l in range(group):
+                            s += kc[l * per + i] * dl[ci * group + l]
+                        state[ci * per + i] = s
             cuda.syncthreads()
             for j in range(vfetch):
                 idx = utid + uint64(j * threads)
@@ -332,20 +346,21 @@ def causal_conv1d(x, w, out, activate=True, stream=0, control=False):
 
 
 def fit_geometry(dk, geometry):
-    """The launch geometry (parts, threads, tile, group) for key dim dk: fewer parts per column while dk is
-    not a multiple of 4 parts, a longer tile while tile x dk is not a multiple of the threads (a small dk,
-    as the tiny checkpoint's 8); ValueError when dk is not a multiple of 4 or the group does not fit."""
-    parts, threads, tile, group = geometry
+    """The launch geometry (parts, threads, tile, group, cols) for key dim dk (cols 1 when `geometry` has
+    four entries): fewer parts per column while dk is not a multiple of 4 parts, a longer tile while tile x
+    dk is not a multiple of the threads (a small dk, as the tiny checkpoint's 8); ValueError when dk is not
+    a multiple of 4 or the group does not fit."""
+    parts, threads, tile, group, cols = (*geometry, 1)[:5]
     while parts > 1 and dk % (4 * parts):
         parts //= 2
     step = threads // math.gcd(dk, threads)             # tile x dk % threads == 0 <=> step divides tile
     step = step * group // math.gcd(step, group)        # and the group divides the tile
     tile = -(-tile // step) * step
-    if parts & (parts - 1) or dk % (4 * parts) or threads % 32 or tile * group > threads:
+    if parts & (parts - 1) or dk % (4 * parts) or threads % 32 or tile * group > threads or cols < 1:
         raise ValueError(f"gated_delta_rule: key head dim {dk} does not fit geometry {geometry}: the parts must be "
-                         "a power of two (their sums are shuffles), dk a multiple of 4, the threads of 32, and "
-                         "tile x group at most the threads")
-    return parts, threads, tile, group
+                         "a power of two (their sums are shuffles), dk a multiple of 4, the threads of 32, "
+                         "tile x group at most the threads, and at least one column a thread")
+    return parts, threads, tile, group, cols
 
 
 def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=None):
@@ -353,16 +368,16 @@ def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=No
 
     Per value head j (reading q/k head j // (Hv / Hk)), S_0 = 0, float32 throughout:
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
-    geometry: (parts, threads, tile, group), GEOMETRY by default, fitted to dk (fit_geometry).
+    geometry: (parts, threads, tile, group[, cols]), GEOMETRY by default, fitted to dk (fit_geometry).
     """
     dk, dv = q.shape[2], v.shape[2]
-    parts, threads, tile, group = fit_geometry(dk, geometry or GEOMETRY)
+    parts, threads, tile, group, cols = fit_geometry(dk, geometry or GEOMETRY)
     if q.shape[0] == 0:         # nothing to do (the kernel's clamped reads assume a first token)
         return
-    key = (control, dk, parts, threads, tile, group)
+    key = (control, dk, parts, threads, tile, group, cols)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
-    columns = threads // parts
+    columns = threads // parts * cols
     grid = (v.shape[1], (dv + columns - 1) // columns)   # value heads x column groups
     _delta[key][grid, threads, stream](q, k, v, g, beta, out)
 

@@ -17,12 +17,13 @@ from cuda_kernels import gdn, gdn_chunk
 from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
-LENGTHS = (112, 256, 512, 1024)
+LENGTHS = (112, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
 # the chunked form's serial pass: (state columns, threads) per block, "strip": the register-blocked variant
 WALKS = [(32, 512), (32, 512, "strip")]
-# the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group)
-GEOMETRIES = [(8, 256, 16, 2), (8, 256, 32, 4)]
+# the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group,
+# state columns per thread)
+GEOMETRIES = [(8, 256, 16, 2, 1), (8, 128, 16, 1, 2), (8, 128, 8, 1, 2), (8, 256, 16, 1, 2), (8, 64, 8, 1, 4)]
 
 
 def inputs(n, seed=0):
@@ -94,7 +95,7 @@ def main():
         except Exception as exc:
             row["chunked_staged_setup_ms"] = f"failed: {exc!r}"
         for geometry in GEOMETRIES:
-            label = "recurrent_p{}_t{}_tile{}_group{}".format(*geometry)
+            label = "recurrent_p{}_t{}_tile{}_group{}_cols{}".format(*geometry)
             try:
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", geometry)
             except Exception as exc:
