@@ -15,6 +15,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
+from .mma import clock
 
 # (threads per state column, threads per block, tokens per tile, tokens per group, state columns per thread)
 # for the delta rule (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2,
@@ -75,7 +76,7 @@ def _make_conv(control, width):
     return causal_conv1d
 
 
-def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
+def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=False):
     """The kernel for key dim dk with `parts` threads per column (dk % (4 parts) == 0), `threads` per
     block (threads % parts == 0; whole warps on the GPU, the shuffles need all lanes), `tile` tokens per
     tile (tile * dk % threads == 0), `group` tokens resolved together (tile % group == 0) and `cols`
@@ -95,7 +96,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
     o_j = e^G_j S^T q_j + sum_(l<=j) cqk_jl d_l with cqk_jl = e^(G_j - G_l) k_l . q_j (S_j^T q_j);
     then S <- e^G_last S + sum_l e^(G_last - G_l) k_l d_l. group = 1 is the plain token recurrence.
     On the GPU the parts of one column sit in one warp and sum by shuffles; the simulator (no shuffles)
-    sums through shared memory. control: a token's output leaves out its own write.
+    sums through shared memory. control: a token's output leaves out its own write. timed: thread 0
+    writes cycle counts (%clock64) into stamps[block]: (the block's whole span, the first tile's loads,
+    the tile stages summed, the token loops summed) (STAMPS; on the device only).
     The token loop indexes flat shared arrays with unsigned integers: numba wraps signed indices
     (negative ones count from the end), which cost eight 64-bit instructions per load there.
     """
@@ -117,32 +120,30 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
 
     @jit(device=True)
     def fetch_tile(q, k, v, g, beta, t1, hk, hv, col0, tid, pk, pq, pv):
-        """This thread's share of the tile from token t1 into registers (zeros past the end): k and q
-        rows into pk, pq, the block's columns of v into pv; returns its g and beta (tokens t1 + tid).
-        All unsigned (t1, heads, col0, tid too): no negative-index wrap; rows and columns are clamped,
-        so every read is in bounds and the ones past the end become zeros without a branch."""
+        """This thread's share of the tile from token t1 into registers: k and q rows into pk, pq, the
+        block's columns of v into pv; returns its g and beta (token t1 + tid). All unsigned (t1, heads,
+        col0, tid too): no negative-index wrap. Rows and columns past the end are clamped to the last
+        ones, so every read is in bounds, and nothing uses the loaded values before the next tile's
+        stash: the loads stay in flight through the token loop (a select on them here made every
+        thread wait for them before the tile's barrier). Tokens past the end get g = beta = 0 at the
+        stash (`live`), which makes them leave the state as it is whatever their k, q and v; their
+        outputs are not written."""
         n, dv = uint64(q.shape[0]), uint64(v.shape[2])
         last, last_c = n - uint64(1), dv - uint64(1)
         for j in range(fetch):
             idx = tid + uint64(j * threads)
-            r, c = t1 + idx // uint64(dk), idx % uint64(dk)
-            rr = min(r, last)
-            kv = k[rr, hk, c]
-            qv = q[rr, hk, c]
-            pk[j] = kv if r < n else float32(0.0)
-            pq[j] = qv if r < n else float32(0.0)
+            rr, c = min(t1 + idx // uint64(dk), last), idx % uint64(dk)
+            pk[j] = k[rr, hk, c]
+            pq[j] = q[rr, hk, c]
         for j in range(vfetch):
             idx = tid + uint64(j * threads)
             r, c = t1 + idx // uint64(columns), col0 + idx % uint64(columns)
-            vv = v[min(r, last), hv, min(c, last_c)]
-            pv[j] = vv if idx < uint64(tile_v) and r < n and c < dv else float32(0.0)
+            pv[j] = v[min(r, last), hv, min(c, last_c)]
         r = min(t1 + tid, last)
-        gv, bv = g[r, hv], beta[r, hv]
-        live = tid < uint64(tile) and t1 + tid < n
-        return (gv if live else float32(0.0)), (bv if live else float32(0.0))
+        return g[r, hv], beta[r, hv]
 
     @jit
-    def gated_delta_rule(q, k, v, g, beta, out):
+    def gated_delta_rule(q, k, v, g, beta, out, stamps):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
         part, slot = tid % parts, tid // parts * cols       # slot: the thread's first column in the block
         col0 = cuda.blockIdx.y * columns
@@ -179,11 +180,16 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
         pv = cuda.local.array(vfetch, float32)
         for i in range(held):
             state[i] = float32(0.0)
+        t_start = clock() if timed else 0
+        t_tiles = 0
+        t_loops = 0
         utid, uhk, uhv, ucol0 = uint64(tid), uint64(hk), uint64(hv), uint64(col0)
         # the first tile's loads (each later tile's are issued before the tile before it runs)
         pg, pb = fetch_tile(q, k, v, g, beta, uint64(0), uhk, uhv, ucol0, utid, pk, pq, pv)
         uquad, uslot = uint64(4 * part), uint64(slot)
+        t_fetched = clock() if timed else 0
         for t0 in range(0, n, tile):
+            t_a = clock() if timed else 0
             cuda.syncthreads()              # every thread is done with the previous tile
             for j in range(fetch):
                 ks[utid + uint64(j * threads)] = pk[j]
@@ -192,8 +198,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
                 if utid + uint64(j * threads) < uint64(tile_v):
                     vs[utid + uint64(j * threads)] = pv[j]
             if tid < tile:
-                cum[tid] = pg
-                bs[tid] = pb
+                live = t0 + tid < n             # tokens past the end: no decay, no write
+                cum[tid] = pg if live else float32(0.0)
+                bs[tid] = pb if live else float32(0.0)
             cuda.syncthreads()
             if tid < tile // group:
                 for j in range(1, group):
@@ -228,7 +235,8 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
             if t1 < n:
                 pg, pb = fetch_tile(q, k, v, g, beta, uint64(t1), uhk, uhv, ucol0, utid, pk, pq, pv)
             cuda.syncthreads()
-            # tokens past the end have k = q = v = 0, g = 0, beta = 0: they leave the state as it is
+            t_b = clock() if timed else 0
+            # tokens past the end have g = 0, beta = 0: they leave the state as it is
             for grp in range(uint64((min(tile, n - t0) + group - 1) // group)):
                 j0 = grp * uint64(group)
                 for j in range(group):          # the group's scalars first, in flight during the dots
@@ -290,12 +298,22 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1):
                         for l in range(group):
                             s += kc[l * per + i] * dl[ci * group + l]
                         state[ci * per + i] = s
+            if timed:
+                t_c = clock()
+                t_tiles += t_b - t_a
+                t_loops += t_c - t_b
             cuda.syncthreads()
             for j in range(vfetch):
                 idx = utid + uint64(j * threads)
                 r, c = uint64(t0) + idx // uint64(columns), ucol0 + idx % uint64(columns)
                 if idx < uint64(tile_v) and r < uint64(n) and c < uint64(dv):
                     out[r, uhv, c] = os[idx]
+        if timed and tid == 0:
+            b = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+            stamps[b, 0] = clock() - t_start
+            stamps[b, 1] = t_fetched - t_start
+            stamps[b, 2] = t_tiles
+            stamps[b, 3] = t_loops
     return gated_delta_rule
 
 
@@ -322,6 +340,8 @@ def _make_gates(control):
 
 
 _gates = {c: _make_gates(c) for c in (False, True)}
+STAMPS = 4                  # the timed delta rule's cycle counts per block
+_no_stamps = []
 _conv = {}
 _delta = {}
 
@@ -363,23 +383,28 @@ def fit_geometry(dk, geometry):
     return parts, threads, tile, group, cols
 
 
-def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=None):
+def gated_delta_rule(q, k, v, g, beta, out, stream=0, control=False, geometry=None, stamps=None):
     """out [L, Hv, dv] from q, k [L, Hk, dk] (normed, scaled), v [L, Hv, dv], log-decay g and beta [L, Hv].
 
     Per value head j (reading q/k head j // (Hv / Hk)), S_0 = 0, float32 throughout:
     S <- e^g S;  S <- S + k beta (v - S^T k);  o = S^T q (the updated state).
     geometry: (parts, threads, tile, group[, cols]), GEOMETRY by default, fitted to dk (fit_geometry).
+    stamps: an int64 array [blocks, STAMPS] for the timed kernel's cycle counts (see _make_delta_rule).
     """
     dk, dv = q.shape[2], v.shape[2]
     parts, threads, tile, group, cols = fit_geometry(dk, geometry or GEOMETRY)
     if q.shape[0] == 0:         # nothing to do (the kernel's clamped reads assume a first token)
         return
-    key = (control, dk, parts, threads, tile, group, cols)
+    key = (control, dk, parts, threads, tile, group, cols, stamps is not None)
     if key not in _delta:
         _delta[key] = _make_delta_rule(*key)
     columns = threads // parts * cols
     grid = (v.shape[1], (dv + columns - 1) // columns)   # value heads x column groups
-    _delta[key][grid, threads, stream](q, k, v, g, beta, out)
+    if stamps is None:
+        if not _no_stamps:
+            _no_stamps.append(cuda.device_array((1, STAMPS), np.int64))
+        stamps = _no_stamps[0]
+    _delta[key][grid, threads, stream](q, k, v, g, beta, out, stamps)
 
 
 # --- float64 references --------------------------------------------------------------------------

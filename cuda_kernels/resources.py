@@ -67,7 +67,7 @@ def _signatures():
         "softmax_causal_s1024": (rope_attention._softmax(False, *row_team(1024)), (f3, t.float32, t.boolean)),
         "causal_conv1d_k4": (gdn._make_conv(False, 4), (s2, f2, f2, t.boolean)),
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128, *gdn.GEOMETRY),
-                                   (f3, f3, s3, f2, f2, f3)),
+                                   (f3, f3, s3, f2, f2, f3, a(t.int64, 2))),
         "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f3)),
         "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128),

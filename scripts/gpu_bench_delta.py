@@ -56,6 +56,22 @@ def graph_ms(graph, stream, reps):
     return 1e3 * statistics.median(times[3:])
 
 
+def recurrence_cycles(args, n):
+    """The default recurrence's timed kernel (%clock64 of each block's thread 0): medians over blocks of its
+    whole span, the first tile's loads, the tile stages and the token loops, in cycles, and per token."""
+    parts, threads, tile, group, cols = gdn.fit_geometry(DK, gdn.GEOMETRY)
+    blocks = HV * -(-DV // (threads // parts * cols))
+    stamps = cuda.device_array((blocks, gdn.STAMPS), np.int64)
+    out = cuda.device_array(args[2].shape, np.float32)
+    for _ in range(3):
+        gdn.gated_delta_rule(*args, out, stamps=stamps)
+    cuda.synchronize()
+    st = np.median(stamps.copy_to_host().astype(np.float64), axis=0)
+    names = ("span", "first_loads", "tile_stages", "token_loops")
+    return {"recurrent_cycles": dict(zip(names, map(float, st))),
+            "recurrent_cycles_per_token": {name: float(v) / n for name, v in zip(names, st)}}
+
+
 def stage_ms(ops, args, reps=20):
     """Each stage of the chunked form alone (gdn_chunk.FUSED_STAGES, then the staged setup's STAGES),
     captured and replayed on buffers a full run filled: median ms per stage."""
@@ -101,6 +117,10 @@ def main():
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, "recurrent", geometry)
             except Exception as exc:
                 row[label + "_ms"] = f"failed: {exc!r}"
+        try:
+            row.update(recurrence_cycles(dev, n))
+        except Exception as exc:
+            row["recurrent_cycles"] = f"failed: {exc!r}"
         for walk in WALKS:
             label = "chunked_" + gdn_chunk.walk_name(walk)
             try:

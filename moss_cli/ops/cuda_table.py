@@ -91,6 +91,7 @@ class CudaOps:
         self._free = defaultdict(list)
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() read
+        self.ids_host = None    # a pinned ids array whose copy a capture puts in the graph (embedding)
         self.chunk_from = CHUNK_FROM
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
@@ -285,10 +286,19 @@ class CudaOps:
 
     def embedding(self, table, ids):
         """Rows of a bf16 table (a stored tensor or a param); ids are host ints, copied to a device buffer
-        the graph keeps reading."""
+        the graph keeps reading. While capturing with `ids_host` set (a pinned int32 array of the ids'
+        length), the copy from it is part of the graph: each replay reads the ids put there before it."""
         if isinstance(table, np.ndarray) or not hasattr(table, "shape"):
             table = self._table(table)
-        self.ids = self._upload(np.asarray(ids, dtype=np.int32).reshape(-1))
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        if self.capturing and self.ids_host is not None:
+            if self.ids_host.shape != ids.shape:
+                raise ValueError(f"ids_host holds {self.ids_host.size} ids, the prompt has {ids.size}")
+            self.ids = cuda.device_array(ids.shape, np.int32)
+            self.kept.append(self.ids)
+            self.ids.copy_to_device(self.ids_host, stream=self._numba_stream())
+        else:
+            self.ids = self._upload(ids)
         out = self.new((self.ids.size, table.shape[1]))
         emb.embedding(table, self.ids, out, stream=self.stream)
         return out
@@ -577,9 +587,8 @@ class CudaEncoder:
             self._capture(size)
         c = self._captured[size]
         start = time.perf_counter()
-        c.ids[:n] = ids                         # pinned: the upload below is a DMA that does not block
+        c.ids[:n] = ids                         # the graph's first node copies them to the device
         c.ids[n:] = self.pad_id
-        c.ids_buffer.copy_to_device(c.ids, stream=c.queue)
         uploaded = time.perf_counter()
         c.began.record(c.queue)
         c.graph.launch(c.stream)
@@ -589,8 +598,8 @@ class CudaEncoder:
         launched = time.perf_counter()
         c.copied.synchronize()
         done = time.perf_counter()
-        # host: the calls' own time (ids_s: the ids into the pinned buffer and its upload queued; queue_s:
-        # graph launch, copy and events queued; wait_s: until the copy's event); gpu_s, copy_s: CUDA events
+        # host: the calls' own time (ids_s: the ids into the graph's pinned array; queue_s: graph launch,
+        # rows' copy and events queued; wait_s: until the copy's event); gpu_s, copy_s: CUDA events
         self.timings = {"host_s": launched - start, "total_s": done - start, "bucket": size,
                         "ids_s": uploaded - start, "queue_s": launched - uploaded, "wait_s": done - launched,
                         "gpu_s": cuda.event_elapsed_time(c.began, c.ran) / 1e3,
@@ -600,19 +609,23 @@ class CudaEncoder:
     def _capture(self, size):
         dummy = np.zeros(size, dtype=np.int64)
         self.model(dummy)                      # compiles the kernels, plans cuBLAS, fills the pool
-        graph, stream, out = capture(self.ops, lambda: self.model(dummy))
-        self._captured[size] = _Bucket(graph, stream, self.ops.ids, out, cuda.pinned_array(size, np.int32))
+        ids = cuda.pinned_array(size, np.int32)
+        self.ops.ids_host = ids                # the ids' upload becomes the graph's first node
+        try:
+            graph, stream, out = capture(self.ops, lambda: self.model(dummy))
+        finally:
+            self.ops.ids_host = None
+        self._captured[size] = _Bucket(graph, stream, out, ids)
         self._kept = getattr(self, "_kept", []) + self.ops.kept
 
 
 class _Bucket:
-    """A captured length bucket: its graph and stream, the graph's ids and rows buffers, and what each encode
-    reuses (host time: run Y measured 0.2-0.3 ms per encode outside the CUDA events when these were made
-    per call): a pinned ids array, the stream as numba sees it, three events."""
+    """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned ids array its
+    first node reads, and what each encode reuses: the stream as numba sees it, three events (run Z: the
+    ids' upload through numba took 0.23 ms of host time per encode before the graph could start)."""
 
-    def __init__(self, graph, stream, ids_buffer, rows_buffer, ids):
-        self.graph, self.stream, self.ids = graph, stream, ids
-        self.ids_buffer, self.rows_buffer = ids_buffer, rows_buffer
+    def __init__(self, graph, stream, rows_buffer, ids):
+        self.graph, self.stream, self.rows_buffer, self.ids = graph, stream, rows_buffer, ids
         self.queue = cuda.external_stream(stream_handle(stream))
         self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
 

@@ -58,9 +58,15 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     assert enc.timings["gpu_s"] > 0 and enc.timings["copy_s"] > 0
     with pytest.raises(ValueError):
         enc(ids, out=np.empty((ids.size + 1, first.shape[1]), np.float32))
-    eager = CudaEncoder(component.tensors, component.config, graphs=False)(ids)
+    eager_enc = CudaEncoder(component.tensors, component.config, graphs=False)
+    eager = eager_enc(ids)
     # the graph pads to its bucket: the same kernels on more rows, so equal to float32 rounding
     np.testing.assert_allclose(first, eager, rtol=0, atol=1e-4 * np.abs(eager).max())
+    # other ids of the same bucket (40) through the same graph: its replay reads each call's ids and pads
+    other = np.random.default_rng(2).integers(0, 500, 38)
+    assert enc(other).shape == (38, first.shape[1]) and enc.timings["bucket"] == 40 and len(enc._captured) == 1
+    np.testing.assert_allclose(enc(other), eager_enc(other), rtol=0, atol=1e-4 * np.abs(eager).max())
+    assert enc(ids).tobytes() == first.tobytes()
 
 
 def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path):
