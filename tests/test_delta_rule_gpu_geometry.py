@@ -87,3 +87,30 @@ def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr
+
+
+TIMED = INPUTS.format(n=13, dk=8) + """
+from numba import cuda
+from cuda_kernels import gdn
+arrays = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
+outs = []
+stamps = cuda.to_device(np.full((2, gdn.STAMPS), -1, np.int64))
+for timed in (None, stamps):
+    out = cuda.device_array(inp["v"].shape, np.float32)
+    gdn.gated_delta_rule(*arrays, out, stamps=timed)
+    outs.append(out.copy_to_host())
+expected, bound = gdn._ref_delta(inp)
+# the simulator has no cycle counter (clock() is 0): thread 0 of each of the 2 blocks writes zeros
+print(outs[0].tobytes() == outs[1].tobytes(), gate(outs[1], expected, bound)[0],
+      (stamps.copy_to_host() == 0).all())
+"""
+
+
+def test_timed_recurrence_writes_its_stamps_and_the_same_outputs():
+    """The bench's timed recurrence (%clock64 stamps per block, gdn.STAMPS) at the simulator's geometry:
+    the same output bytes as the untimed kernel, within the gate, and every block's stamps written."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", TIMED], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr
