@@ -84,7 +84,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
 
     Every thread reads its rows of each token's k and q from shared memory; with `cols` columns a thread
     those reads serve cols columns, so a block's shared-memory traffic per token is 1 / cols of one
-    column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic).
+    column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic). On the
+    H200 two columns a thread ran within 3 % of one (BENCHMARKS.md, runs Z and AA): that traffic is not
+    what bounds the loop, and the default keeps one.
 
     A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q
     four words at a time, and the parts of one column read neighbouring 16-byte words of a row (no bank

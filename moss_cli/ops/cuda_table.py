@@ -95,7 +95,7 @@ class CudaOps:
         self.chunk_from = CHUNK_FROM
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
-        self.delta_geometry = None     # the recurrence's (parts, threads, tile, group); gdn.GEOMETRY when None
+        self.delta_geometry = None     # the recurrence's (parts, threads, tile, group[, cols]); gdn.GEOMETRY when None
         # "flash" (flash.py: a bf16 pre-pass, then bf16 tensor cores with cp.async double buffering, no
         # scores buffer) or "products" (TF32 cuBLAS + a softmax kernel). Run S (H200): whole encode 32.4 ms
         # with flash against 33.3 with the products at 1000 tokens, 6.6 against 7.1 at 100
