@@ -27,6 +27,7 @@ for step in "$@"; do
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     probe) $limit python3 scripts/gpu_probe_delta.py --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" &&
            $limit python3 scripts/gpu_probe_delta.py --n 112 --out "$OUT/probe112.json" 2>&1 | tee -a "$OUT/probe.txt" ;;
+    recurrence) $limit python3 scripts/gpu_probe_recurrence.py --out "$OUT/recurrence.json" 2>&1 | tee "$OUT/recurrence.txt" ;;
     kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
