@@ -24,7 +24,7 @@ WALKS = [(32, 512), (32, 512, "strip")]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group,
 # state columns per thread)
 GEOMETRIES = [(8, 256, 16, 2, 1), (8, 128, 16, 1, 2), (8, 128, 8, 1, 2), (8, 256, 16, 1, 2), (8, 64, 8, 1, 4),
-              (16, 128, 16, 1, 2), (16, 128, 8, 1, 4), (4, 128, 8, 1, 2)]
+              (16, 128, 16, 1, 2), (16, 128, 8, 1, 4), (4, 128, 8, 1, 2), (4, 64, 8, 1, 2)]
 
 
 def inputs(n, seed=0):

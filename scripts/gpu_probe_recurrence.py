@@ -26,8 +26,9 @@ CONFIGS = [
     ("4 heads, 8 warps a block, tile 4", 4, (8, 256, 4, 1, 1)),
     ("4 heads, 2 warps a block, tile 4", 4, (8, 64, 4, 1, 1)),
     ("4 heads, 1 warp a block, tile 4", 4, (8, 32, 4, 1, 1)),
-    # less k/q traffic per column with two warps a scheduler: 4 parts, 2 columns a thread (168 registers)
+    # less k/q traffic per column (2 columns a thread) with 4 parts: 168 registers at 128 threads, 240 at 64
     ("32 heads, 4 parts, 2 columns a thread", HV, (4, 128, 8, 1, 2)),
+    ("32 heads, 4 parts, 2 columns a thread, 2 warps a block", HV, (4, 64, 8, 1, 2)),
     ("32 heads, 4 parts", HV, (4, 256, 16, 1, 1)),
 ]
 NAMES = ("span", "first_loads", "tile_stages", "token_loops")
