@@ -90,7 +90,8 @@ class CudaOps:
         self._params = {}
         self._free = defaultdict(list)
         self.kept = []          # host uploads made while capturing: the graph reads them later
-        self.ids = None         # the last token-id buffer embedding() read
+        self.ids = None         # the last token-id buffer embedding() made: held until the next one, so it
+                                # outlives the kernels queued on it
         self.ids_host = None    # a pinned ids array whose copy a capture puts in the graph (embedding)
         self.chunk_from = CHUNK_FROM
         self.delta_walk = None
@@ -383,7 +384,7 @@ class CudaOps:
         if self._side is None:
             from cuda.core import Device, StreamOptions
             core = Device().create_stream(options=StreamOptions(nonblocking=True))
-            self._side = (cuda.external_stream(stream_handle(core)), core,
+            self._side = (numba_stream(core), core,
                           cuda.device_array(prefetch.BLOCKS, np.uint64))
         side, _, sums = self._side
         fork, done = cuda.event(timing=False), cuda.event(timing=False)
@@ -396,7 +397,7 @@ class CudaOps:
             self.kept += [fork, done]
 
     def _numba_stream(self):
-        return cuda.default_stream() if self.stream == 0 else cuda.external_stream(stream_handle(self.stream))
+        return numba_stream(self.stream)
 
     def join_prefetches(self, w=None):
         """This stream waits for w's prefetch (every pending one when w is None)."""
@@ -528,6 +529,12 @@ class CudaOps:
         return out
 
 
+def numba_stream(stream):
+    """The numba stream for 0 (the default stream), a cuda.core Stream or a graph builder (its capturing
+    stream): what numba's copies and events take."""
+    return cuda.default_stream() if stream == 0 else cuda.external_stream(stream_handle(stream))
+
+
 def cuda_ops():
     return CudaOps()
 
@@ -626,7 +633,7 @@ class _Bucket:
 
     def __init__(self, graph, stream, rows_buffer, ids):
         self.graph, self.stream, self.rows_buffer, self.ids = graph, stream, rows_buffer, ids
-        self.queue = cuda.external_stream(stream_handle(stream))
+        self.queue = numba_stream(stream)
         self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
 
 
