@@ -80,13 +80,18 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
-def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
+def simulate(script):
+    """The words a script prints, run in its own process in the numba CUDA simulator."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "False"], done.stdout + done.stderr
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
+def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
+    assert simulate(script) == ["True", "False"]
 
 
 TIMED = INPUTS.format(n=13, dk=8) + """
@@ -109,8 +114,4 @@ print(outs[0].tobytes() == outs[1].tobytes(), gate(outs[1], expected, bound)[0],
 def test_timed_recurrence_writes_its_stamps_and_the_same_outputs():
     """The bench's timed recurrence (%clock64 stamps per block, gdn.STAMPS) at the simulator's geometry:
     the same output bytes as the untimed kernel, within the gate, and every block's stamps written."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", TIMED], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr
+    assert simulate(TIMED) == ["True", "True", "True"]
