@@ -56,20 +56,30 @@ def graph_ms(graph, stream, reps):
     return 1e3 * statistics.median(times[3:])
 
 
-def recurrence_cycles(args, n):
-    """The default recurrence's timed kernel (%clock64 of each block's thread 0): medians over blocks of its
-    whole span, the first tile's loads, the tile stages and the token loops, in cycles, and per token."""
-    parts, threads, tile, group, cols = gdn.fit_geometry(DK, gdn.GEOMETRY)
-    blocks = HV * -(-DV // (threads // parts * cols))
+STAMP_NAMES = ("span", "first_loads", "tile_stages", "token_loops")     # gdn.STAMPS, in its order
+
+
+def cycle_stamps(args, geometry=None, launches=3):
+    """The recurrence's timed kernel (%clock64 of each block's thread 0) on args (q, k, v, g, beta at any
+    head count): (blocks, threads a block, {stamp: cycles}), each the median over `launches` launches of
+    the median over blocks."""
+    parts, threads, tile, group, cols = gdn.fit_geometry(args[0].shape[2], geometry or gdn.GEOMETRY)
+    blocks = args[2].shape[1] * -(-args[2].shape[2] // (threads // parts * cols))
     stamps = cuda.device_array((blocks, gdn.STAMPS), np.int64)
     out = cuda.device_array(args[2].shape, np.float32)
-    for _ in range(3):
-        gdn.gated_delta_rule(*args, out, stamps=stamps)
-    cuda.synchronize()
-    st = np.median(stamps.copy_to_host().astype(np.float64), axis=0)
-    names = ("span", "first_loads", "tile_stages", "token_loops")
-    return {"recurrent_cycles": dict(zip(names, map(float, st))),
-            "recurrent_cycles_per_token": {name: float(v) / n for name, v in zip(names, st)}}
+    medians = []
+    for _ in range(launches):
+        gdn.gated_delta_rule(*args, out, stamps=stamps, geometry=geometry)
+        cuda.synchronize()
+        medians.append(np.median(stamps.copy_to_host().astype(np.float64), axis=0))
+    return blocks, threads, dict(zip(STAMP_NAMES, map(float, np.median(medians, axis=0))))
+
+
+def recurrence_cycles(args, n):
+    """The default recurrence's cycle stamps (cycle_stamps): the block's whole span, the first tile's
+    loads, the tile stages and the token loops, in cycles and per token."""
+    cycles = cycle_stamps(args)[2]
+    return {"recurrent_cycles": cycles, "recurrent_cycles_per_token": {k: v / n for k, v in cycles.items()}}
 
 
 def stage_ms(ops, args, reps=20):

@@ -15,7 +15,7 @@ from numba import cuda
 
 from cuda_kernels import gdn
 
-from gpu_bench_delta import DV, HV, inputs
+from gpu_bench_delta import HV, cycle_stamps, inputs
 
 # (label, value heads, geometry (parts, threads, tile, group, cols))
 CONFIGS = [
@@ -31,7 +31,6 @@ CONFIGS = [
     ("32 heads, 4 parts, 2 columns a thread, 2 warps a block", HV, (4, 64, 8, 1, 2)),
     ("32 heads, 4 parts", HV, (4, 256, 16, 1, 1)),
 ]
-NAMES = ("span", "first_loads", "tile_stages", "token_loops")
 
 
 def heads(inp, hv):
@@ -42,19 +41,9 @@ def heads(inp, hv):
 
 
 def cycles(args, geometry, n):
-    parts, threads, tile, group, cols = gdn.fit_geometry(args[0].shape[2], geometry)
-    blocks = args[2].shape[1] * -(-DV // (threads // parts * cols))
-    stamps = cuda.device_array((blocks, gdn.STAMPS), np.int64)
-    out = cuda.device_array(args[2].shape, np.float32)
-    spans = []
-    for _ in range(5):
-        gdn.gated_delta_rule(*args, out, stamps=stamps, geometry=geometry)
-        cuda.synchronize()
-        st = stamps.copy_to_host().astype(np.float64)
-        spans.append(np.median(st, axis=0))
-    st = np.median(np.array(spans), axis=0)
+    blocks, threads, stamps = cycle_stamps(args, geometry, launches=5)
     return {"blocks": blocks, "warps_a_block": threads // 32,
-            **{f"{name}_per_token": float(v) / n for name, v in zip(NAMES, st)}}
+            **{f"{name}_per_token": v / n for name, v in stamps.items()}}
 
 
 def main():
