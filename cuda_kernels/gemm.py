@@ -6,6 +6,7 @@ the output is float32 or bf16. The algorithm is chosen once per shape (heuristic
 GPU only: the simulator has no cuBLAS.
 """
 
+import itertools
 import json
 import os
 import time
@@ -29,6 +30,10 @@ SPLITS = (2, 3, 4, 6, 8, 12, 16)
 # the heuristic's kernels leave SMs idle and the product is bound by reading the weight.
 WIDE_WAVES = 4
 TIMED_CALLS = 5
+# Candidates are timed on copies of the weight that together exceed the L2 several times (H200: 50 MB), one
+# per call in turn: in the encoder each weight is read once per pass, from HBM. Timed on one weight, a
+# 32 MB matrix half stays in L2 and the tuner ranks the kernels for a case that never occurs.
+COLD_BYTES = 256 << 20
 FINALISTS = 4                  # timed again over more calls, the fastest kept
 # Algorithms the tuner picked on a GPU (scripts/gpu_encoder_9b.py writes them), per GPU name and cuBLASLt
 # version: a process finding its shape here runs the stored algorithm (cuBLASLt's algorithm struct may be
@@ -108,6 +113,17 @@ class GpuTimer:
         return ms
 
 
+def cold_ring(w, total=COLD_BYTES):
+    """w and copies of it, together at least `total` bytes (at least two arrays): timing a product over
+    them in turn reads its weight from HBM, as one encoder pass does."""
+    ring = [w]
+    while len(ring) < 2 or len(ring) * w.nbytes < total:
+        copy = cuda.device_array_like(w)
+        copy.copy_to_device(w)
+        ring.append(copy)
+    return ring
+
+
 def _get(getter, obj, attr, dtype=np.uint32):
     buf = np.zeros(1, dtype)
     written = np.zeros(1, np.uint64)
@@ -163,6 +179,7 @@ class Blas:
         self.widen = widen             # when tuning small outputs, time split-K variants too
         self._sms = None
         self._timer = None
+        self.cold = True               # time candidates on a ring of weight copies (COLD_BYTES)
         self._plans = {}
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
@@ -333,22 +350,26 @@ class Blas:
         """Time each candidate over a few calls, then the FINALISTS fastest again over more calls, and keep
         the fastest (the output is recomputed after); one that fails to launch is skipped. The first
         round's times (ms per call, None when it failed) are kept in the plan."""
-        times = [self._time_one(plan, w, x, out, bias, stream, i, TIMED_CALLS) for i in range(plan["count"])]
+        ring = cold_ring(w) if self.cold else [w]
+        times = [self._time_one(plan, ring, x, out, bias, stream, i, TIMED_CALLS) for i in range(plan["count"])]
         plan["times"] = times
         ranked = sorted((t, i) for i, t in enumerate(times) if t is not None)
         if not ranked:
             return 0
-        again = ((self._time_one(plan, w, x, out, bias, stream, i, 4 * TIMED_CALLS), i) for _, i in ranked[:FINALISTS])
+        again = ((self._time_one(plan, ring, x, out, bias, stream, i, 4 * TIMED_CALLS), i)
+                 for _, i in ranked[:FINALISTS])
         final = [(t, i) for t, i in again if t is not None]
         return min(final)[1] if final else ranked[0][1]
 
-    def _time_one(self, plan, w, x, out, bias, stream, i, calls):
-        """ms per call of candidate i on the GPU (beta = 0, writing out); None if it fails. Tuning runs on
-        stream 0 (the eager pass before any capture), where the timer holds the GPU."""
+    def _time_one(self, plan, ring, x, out, bias, stream, i, calls):
+        """ms per call of candidate i on the GPU (beta = 0, writing out), each call on the next weight of
+        the ring; None if it fails. Tuning runs on stream 0 (the eager pass before any capture), where the
+        timer holds the GPU."""
         if self._timer is None:
             self._timer = GpuTimer()
+        turn = itertools.cycle(ring)
         try:
-            return self._timer(lambda: self._launch(plan, w, x, out, bias, False, stream, i), calls)
+            return self._timer(lambda: self._launch(plan, next(turn), x, out, bias, False, stream, i), calls)
         except Exception:
             return None
 

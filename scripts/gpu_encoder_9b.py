@@ -43,7 +43,8 @@ VARIANTS = {
     "unfused_norm_rope": {"fuse_norm_rope": False},
     "fused_gdn_inputs": {"fuse_gdn_inputs": True},
     "delta_2_columns": {"delta_geometry": (8, 128, 16, 1, 2)},
-    "recurrent_delta_2_columns": {"form": "recurrent", "delta_geometry": (8, 128, 16, 1, 2)},
+    "delta_4_parts_2_columns": {"delta_geometry": (4, 128, 8, 1, 2)},
+    "delta_4_parts_2_columns_64": {"delta_geometry": (4, 64, 8, 1, 2)},
     "default_again": {},        # the default recaptured after the others: the run's drift and noise
 }
 
