@@ -144,7 +144,80 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
         r = min(t1 + tid, last)
         return g[r, hv], beta[r, hv]
 
-    @jit
+    @jit(device=True, forceinline=True)
+    def load_group(ks, qs, uquad, r0, kn, qn):
+        """This thread's rows of the k and q of tokens r0 .. r0 + group - 1 of the tile, into kn and qn
+        [token, row]: state rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... (4-word loads)."""
+        for j in range(group):
+            rk = (r0 + uint64(j)) * uint64(dk) + uquad
+            for i in range(per):
+                at = (i // 4) * 4 * parts + i % 4
+                kn[j * per + i] = ks[rk + uint64(at)]
+                qn[j * per + i] = qs[rk + uint64(at)]
+
+    @jit(device=True, forceinline=True)
+    def advance(kc_, qc_, kn_, qn_, j0, nxt, ks, qs, uquad, uslot, part, eg, bs, ew, vs, os, ckk, cqk, red, state,
+                acc, a, b, dl, ej, bj, wj, vj):
+        """One group of tokens from j0 (tile rows) through the state, with its k and q in kc_, qc_ (loaded
+        during the group before) while the loads of group nxt's into kn_, qn_ are in flight."""
+        load_group(ks, qs, uquad, nxt, kn_, qn_)
+        for j in range(group):          # the group's scalars first, in flight during the dots
+            r = j0 + uint64(j)
+            ej[j], bj[j], wj[j] = eg[r], bs[r], ew[r]
+            for ci in range(cols):
+                vj[ci * group + j] = vs[r * uint64(columns) + uslot + uint64(ci)]
+        for j in range(group):
+            for c in range(acc_n):      # two sums per dot product: half the serial chain
+                acc[c] = float32(0.0)
+            for i in range(0, per, 2):
+                k0, k1 = kc_[j * per + i], kc_[j * per + i + 1]
+                q0, q1 = qc_[j * per + i], qc_[j * per + i + 1]
+                for ci in range(cols):
+                    s0, s1 = state[ci * per + i], state[ci * per + i + 1]
+                    acc[4 * ci] += s0 * k0
+                    acc[4 * ci + 1] += s1 * k1
+                    acc[4 * ci + 2] += s0 * q0
+                    acc[4 * ci + 3] += s1 * q1
+            for ci in range(cols):
+                a[ci * group + j] = acc[4 * ci] + acc[4 * ci + 1]
+                b[ci * group + j] = acc[4 * ci + 2] + acc[4 * ci + 3]
+        if SIMULATED:
+            for j in range(group * cols):
+                a[j] = team_sum(red, a[j], parts)
+                b[j] = team_sum(red, b[j], parts)
+        else:                           # team_sum's shuffles, the group's 2 group sums interleaved
+            step = 1
+            while step < parts:
+                for j in range(group * cols):
+                    a[j] += cuda.shfl_xor_sync(0xFFFFFFFF, a[j], step)
+                    b[j] += cuda.shfl_xor_sync(0xFFFFFFFF, b[j], step)
+                step *= 2
+        for ci in range(cols):
+            c0 = ci * group
+            for j in range(group):
+                r = j0 + uint64(j)
+                d = bj[j] * (vj[c0 + j] - ej[j] * a[c0 + j])
+                for l in range(j):
+                    d -= ckk[r * uint64(group) + uint64(l)] * dl[c0 + l]
+                dl[c0 + j] = d
+            for j in range(group):
+                r = j0 + uint64(j)
+                o = ej[j] * b[c0 + j]
+                for l in range(group):
+                    o += cqk[r * uint64(group) + uint64(l)] * dl[c0 + l]
+                if part == 0:
+                    os[r * uint64(columns) + uslot + uint64(ci)] = o
+        decay = ej[group - 1]
+        for ci in range(cols):
+            for l in range(group):
+                dl[ci * group + l] *= wj[l]
+            for i in range(per):
+                s = decay * state[ci * per + i]
+                for l in range(group):
+                    s += kc_[l * per + i] * dl[ci * group + l]
+                state[ci * per + i] = s
+
+    @jit(launch_bounds=(threads, 1))
     def gated_delta_rule(q, k, v, g, beta, out, stamps):
         hv, tid = cuda.blockIdx.x, cuda.threadIdx.x
         part, slot = tid % parts, tid // parts * cols       # slot: the thread's first column in the block
@@ -168,7 +241,10 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
         ckk = cuda.shared.array(tile_c, float32)            # [token, l] flat
         cqk = cuda.shared.array(tile_c, float32)
         state = cuda.local.array(held, float32)           # [column, row]
-        kc = cuda.local.array(cached, float32)
+        k1 = cuda.local.array(cached, float32)          # a group's k and q, [token, row], two sets
+        q1 = cuda.local.array(cached, float32)
+        k2 = cuda.local.array(cached, float32)
+        q2 = cuda.local.array(cached, float32)
         a = cuda.local.array(sums, float32)       # [column, token]: a, b, dl, vj
         b = cuda.local.array(sums, float32)
         dl = cuda.local.array(sums, float32)
@@ -238,68 +314,21 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
                 pg, pb = fetch_tile(q, k, v, g, beta, uint64(t1), uhk, uhv, ucol0, utid, pk, pq, pv)
             cuda.syncthreads()
             t_b = clock() if timed else 0
-            # tokens past the end have g = 0, beta = 0: they leave the state as it is
-            for grp in range(uint64((min(tile, n - t0) + group - 1) // group)):
-                j0 = grp * uint64(group)
-                for j in range(group):          # the group's scalars first, in flight during the dots
-                    r = j0 + uint64(j)
-                    ej[j], bj[j], wj[j] = eg[r], bs[r], ew[r]
-                    for ci in range(cols):
-                        vj[ci * group + j] = vs[r * uint64(columns) + uslot + uint64(ci)]
-                for j in range(group):
-                    rk = (j0 + uint64(j)) * uint64(dk) + uquad
-                    for c in range(acc_n):      # two sums per dot product: half the serial chain
-                        acc[c] = float32(0.0)
-                    for i in range(0, per, 2):
-                        at0 = (i // 4) * 4 * parts + i % 4      # rows of state[i], state[i + 1], less 4 part
-                        k0, k1 = ks[rk + uint64(at0)], ks[rk + uint64(at0 + 1)]
-                        q0, q1 = qs[rk + uint64(at0)], qs[rk + uint64(at0 + 1)]
-                        kc[j * per + i] = k0
-                        kc[j * per + i + 1] = k1
-                        for ci in range(cols):
-                            s0, s1 = state[ci * per + i], state[ci * per + i + 1]
-                            acc[4 * ci] += s0 * k0
-                            acc[4 * ci + 1] += s1 * k1
-                            acc[4 * ci + 2] += s0 * q0
-                            acc[4 * ci + 3] += s1 * q1
-                    for ci in range(cols):
-                        a[ci * group + j] = acc[4 * ci] + acc[4 * ci + 1]
-                        b[ci * group + j] = acc[4 * ci + 2] + acc[4 * ci + 3]
-                if SIMULATED:
-                    for j in range(group * cols):
-                        a[j] = team_sum(red, a[j], parts)
-                        b[j] = team_sum(red, b[j], parts)
-                else:                           # team_sum's shuffles, the group's 2 group sums interleaved
-                    step = 1
-                    while step < parts:
-                        for j in range(group * cols):
-                            a[j] += cuda.shfl_xor_sync(0xFFFFFFFF, a[j], step)
-                            b[j] += cuda.shfl_xor_sync(0xFFFFFFFF, b[j], step)
-                        step *= 2
-                for ci in range(cols):
-                    c0 = ci * group
-                    for j in range(group):
-                        r = j0 + uint64(j)
-                        d = bj[j] * (vj[c0 + j] - ej[j] * a[c0 + j])
-                        for l in range(j):
-                            d -= ckk[r * uint64(group) + uint64(l)] * dl[c0 + l]
-                        dl[c0 + j] = d
-                    for j in range(group):
-                        r = j0 + uint64(j)
-                        o = ej[j] * b[c0 + j]
-                        for l in range(group):
-                            o += cqk[r * uint64(group) + uint64(l)] * dl[c0 + l]
-                        if part == 0:
-                            os[r * uint64(columns) + uslot + uint64(ci)] = o
-                decay = ej[group - 1]
-                for ci in range(cols):
-                    for l in range(group):
-                        dl[ci * group + l] *= wj[l]
-                    for i in range(per):
-                        s = decay * state[ci * per + i]
-                        for l in range(group):
-                            s += kc[l * per + i] * dl[ci * group + l]
-                        state[ci * per + i] = s
+            # tokens past the end have g = 0, beta = 0: they leave the state as it is. Groups go in pairs,
+            # their k and q in two register sets: one group's loads are issued while the group before runs
+            # (through one set, ptxas reuses the registers and can issue them only after its last use)
+            groups = uint64((min(tile, n - t0) + group - 1) // group)
+            load_group(ks, qs, uquad, uint64(0), k1, q1)
+            for pair in range(uint64(0), groups, uint64(2)):
+                j0 = pair * uint64(group)
+                nxt = j0 + uint64(group) if pair + uint64(1) < groups else j0     # the last reads itself again
+                advance(k1, q1, k2, q2, j0, nxt, ks, qs, uquad, uslot, part, eg, bs, ew, vs, os, ckk, cqk, red,
+                        state, acc, a, b, dl, ej, bj, wj, vj)
+                if pair + uint64(1) < groups:
+                    j1 = j0 + uint64(group)
+                    nxt = j1 + uint64(group) if pair + uint64(2) < groups else j1
+                    advance(k2, q2, k1, q1, j1, nxt, ks, qs, uquad, uslot, part, eg, bs, ew, vs, os, ckk, cqk,
+                            red, state, acc, a, b, dl, ej, bj, wj, vj)
             if timed:
                 t_c = clock()
                 t_tiles += t_b - t_a
