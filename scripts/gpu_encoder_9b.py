@@ -41,10 +41,8 @@ VARIANTS = {
     "wide_products": {"narrow_products": False},
     "element_swiglu": {"packed_swiglu": False},
     "unfused_norm_rope": {"fuse_norm_rope": False},
-    "fused_gdn_inputs": {"fuse_gdn_inputs": True},
+    "unfused_gdn_inputs": {"fuse_gdn_inputs": False},
     "delta_2_columns": {"delta_geometry": (8, 128, 16, 1, 2)},
-    "delta_4_parts_2_columns": {"delta_geometry": (4, 128, 8, 1, 2)},
-    "delta_4_parts_2_columns_64": {"delta_geometry": (4, 64, 8, 1, 2)},
     "default_again": {},        # the default recaptured after the others: the run's drift and noise
 }
 
@@ -297,6 +295,16 @@ def main():
         except Exception as exc:     # the profiler is a diagnosis, not a result
             result[f"profile_{n}"] = [f"profiler failed: {exc}"]
         print(f"GPU time per kernel, {n} tokens:\n" + "\n".join(result[f"profile_{n}"]), flush=True)
+    # the CUPTI profile of the other GDN inputs form too: which kernels a whole-encode difference comes from
+    ops.fuse_gdn_inputs, enc._captured = not ops.fuse_gdn_inputs, {}
+    for n, ids in prompts.items():
+        try:
+            result[f"profile_other_gdn_inputs_{n}"] = profile(enc, ids)
+        except Exception as exc:
+            result[f"profile_other_gdn_inputs_{n}"] = [f"profiler failed: {exc}"]
+        print(f"GPU time per kernel, {n} tokens, other GDN inputs form:\n"
+              + "\n".join(result[f"profile_other_gdn_inputs_{n}"]), flush=True)
+    ops.fuse_gdn_inputs, enc._captured = not ops.fuse_gdn_inputs, {}
     enc = ops = None                  # free our buffers before transformers loads
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("profile")}), flush=True)
 

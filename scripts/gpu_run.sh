@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
-#   bash scripts/gpu_run.sh contract bench kernels tests encoder
+#   bash scripts/gpu_run.sh contract bench kernels tests encoder   (GPU_TESTS=path: the tests step runs those only)
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -23,7 +23,7 @@ for step in "$@"; do
   case $step in
     contract) $limit python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
     bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
-    tests) $limit python3 -m pytest -q -p no:cacheprovider tests/gpu -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
+    tests) $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     probe) $limit python3 scripts/gpu_probe_delta.py --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" &&
            $limit python3 scripts/gpu_probe_delta.py --n 112 --out "$OUT/probe112.json" 2>&1 | tee -a "$OUT/probe.txt" ;;

@@ -110,10 +110,12 @@ class CudaOps:
         self.narrow_products = True
         self.fuse_norm_rope = True     # q/k norm and rope in one kernel (norms.rms_norm_rope) where rows fit
         self.packed_swiglu = True      # swiglu on 8-byte words where rows allow (elementwise._words)
-        # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit. Off: on the H200 (run X) the
-        # fused kernel took 1.27 ms per 1000-token encode against 1.13 for the three it replaces, and the
-        # 100-token encode 6.27 ms against 6.11 without it (the delta rule then reads a contiguous v, slower)
-        self.fuse_gdn_inputs = False
+        # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit. Off until run Z: in run X
+        # the fused kernel took 1.27 ms per 1000-token encode against 1.13 for the three it replaces and the
+        # delta rule read its contiguous v slower. Since the recurrence's loads stopped selecting on loaded
+        # values (run AA) the fused form was the faster whole encode in runs AA, AC and AE, by 0.09-0.15 ms
+        # at 100 and 0.07-0.15 ms at 1000 tokens (BENCHMARKS.md): on
+        self.fuse_gdn_inputs = True
         self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
         self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
         self._pending = {}             # id(weight) -> the event its prefetch records on the side stream
