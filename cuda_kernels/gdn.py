@@ -86,7 +86,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
     those reads serve cols columns, so a block's shared-memory traffic per token is 1 / cols of one
     column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic). On the
     H200 two columns a thread ran within 3 % of one (BENCHMARKS.md, runs Z and AA): that traffic is not
-    what bounds the loop, and the default keeps one.
+    what bounds the loop, and the default keeps one. What does is each warp's latency per token (ncu, run
+    AD): its first products waited on the token's k and q loads, so groups go in pairs through two register
+    sets (`advance`), the next group's loads in flight while one runs (token loop 585 -> 426 cycles a token).
 
     A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q
     four words at a time, and the parts of one column read neighbouring 16-byte words of a row (no bank
