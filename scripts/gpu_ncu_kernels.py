@@ -1,22 +1,32 @@
-"""A few launches for Nsight Compute to read counters on: the token recurrence at the 9B encoder's GDN shape
-(112 tokens) and the 100-token products whose weights stream slowest (N = 4096 from K = 4096 and 12288).
+"""Launches for Nsight Compute to read counters on, each named group at the 9B encoder's shapes:
+
+  recurrence  the token recurrence, 112 tokens (the GDN shape: 16 key heads, 32 value heads, dk = dv = 128)
+  products    the 100-token products whose weights stream slowest (N = 4096 from K = 4096 and 12288)
+  flash       causal flash attention, 1000 tokens (16 query heads, 4 key/value heads, head dim 256)
+  chunked     the chunked delta rule's setup and walk, 1000 tokens
 
     ncu --clock-control none --set full -k regex:'gated_delta_rule|nvjet' python3 scripts/gpu_ncu_kernels.py
+    python3 scripts/gpu_ncu_kernels.py flash chunked       (the kernels: flash|prep, setup|walk)
 """
+
+import sys
 
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import gdn, gemm
+from cuda_kernels import flash, gdn, gdn_chunk, gemm
 from scripts.gpu_bench_delta import inputs
 
 
-def main():
+def recurrence():
     inp = inputs(112)
     args = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     out = cuda.device_array(inp["v"].shape, np.float32)
     for _ in range(2):
         gdn.gated_delta_rule(*args, out)
+
+
+def products():
     blas = gemm.blas()
     rng = np.random.default_rng(0)
     for k in (4096, 12288):
@@ -25,9 +35,39 @@ def main():
         y = cuda.device_array((100, 4096), np.float32)
         for _ in range(2):
             blas.linear(x, w, y, accumulate=True)
+
+
+def attention(n=1000, heads=16, kv_heads=4, d=256):
+    rng = np.random.default_rng(0)
+    q, k, v = (cuda.to_device(rng.standard_normal((n, h, d)).astype(np.float32))
+               for h in (heads, kv_heads, kv_heads))
+    out = cuda.device_array((n, heads, d), np.float32)
+    work = {name: cuda.device_array(shape, np.uint32)
+            for name, shape in flash.workspace_shapes(n, heads, kv_heads, d).items()}
+    for _ in range(2):
+        flash.flash_attention(q, k, v, out, d ** -0.5, True, work=work)
+
+
+def chunked():
+    inp = inputs(1000)
+    args = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
+    out = cuda.device_array(inp["v"].shape, np.float32)
+    n, n_hk, dk = inp["q"].shape
+    work = {name: cuda.device_array(shape, np.float32)
+            for name, shape in gdn_chunk.workspace_shapes(n, n_hk, inp["v"].shape[1], dk, inp["v"].shape[2]).items()}
+    for _ in range(2):
+        gdn_chunk.gated_delta_rule_chunked(*args, out, work)
+
+
+GROUPS = {"recurrence": recurrence, "products": products, "flash": attention, "chunked": chunked}
+
+
+def main(names):
+    for name in names or ("recurrence", "products"):
+        GROUPS[name]()
     cuda.synchronize()
     print("done")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

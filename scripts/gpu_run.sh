@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
 #   bash scripts/gpu_run.sh contract bench kernels tests encoder   (GPU_TESTS=path: the tests step runs those only)
+#   NCU_GROUPS="flash chunked" NCU_KERNELS="flash|setup|walk" bash scripts/gpu_run.sh ncu   (scripts/gpu_ncu_kernels.py)
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -28,10 +29,10 @@ for step in "$@"; do
     probe) $limit python3 scripts/gpu_probe_delta.py --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" &&
            $limit python3 scripts/gpu_probe_delta.py --n 112 --out "$OUT/probe112.json" 2>&1 | tee -a "$OUT/probe.txt" ;;
     recurrence) $limit python3 scripts/gpu_probe_recurrence.py --out "$OUT/recurrence.json" 2>&1 | tee "$OUT/recurrence.txt" ;;
-    ncu) $limit ncu --clock-control none --set full -k regex:'gated_delta_rule|nvjet' \
-           -o "$OUT/kernels" python3 scripts/gpu_ncu_kernels.py > "$OUT/ncu_log.txt" 2>&1
+    ncu) $limit ncu --clock-control none --set full -k regex:"${NCU_KERNELS:-gated_delta_rule|nvjet}" \
+           -o "$OUT/kernels" python3 scripts/gpu_ncu_kernels.py ${NCU_GROUPS:-} > "$OUT/ncu_log.txt" 2>&1
          ncu --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-         ncu --import "$OUT/kernels.ncu-rep" --page source --csv --print-source sass -k regex:gated_delta_rule \
+         ncu --import "$OUT/kernels.ncu-rep" --page source --csv --print-source sass -k regex:"${NCU_KERNELS:-gated_delta_rule}" \
            > "$OUT/ncu_source.csv" 2>&1; tail -5 "$OUT/ncu_log.txt" ;;
     kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
