@@ -296,7 +296,8 @@ def main():
             result[f"profile_{n}"] = [f"profiler failed: {exc}"]
         print(f"GPU time per kernel, {n} tokens:\n" + "\n".join(result[f"profile_{n}"]), flush=True)
     # the CUPTI profile of the other GDN inputs form too: which kernels a whole-encode difference comes from
-    ops.fuse_gdn_inputs, enc._captured = not ops.fuse_gdn_inputs, {}
+    fused = ops.fuse_gdn_inputs
+    ops.fuse_gdn_inputs, enc._captured = not fused, {}
     for n, ids in prompts.items():
         try:
             result[f"profile_other_gdn_inputs_{n}"] = profile(enc, ids)
@@ -304,7 +305,7 @@ def main():
             result[f"profile_other_gdn_inputs_{n}"] = [f"profiler failed: {exc}"]
         print(f"GPU time per kernel, {n} tokens, other GDN inputs form:\n"
               + "\n".join(result[f"profile_other_gdn_inputs_{n}"]), flush=True)
-    ops.fuse_gdn_inputs, enc._captured = not ops.fuse_gdn_inputs, {}
+    ops.fuse_gdn_inputs, enc._captured = fused, {}
     enc = ops = None                  # free our buffers before transformers loads
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("profile")}), flush=True)
 

@@ -7,6 +7,8 @@
 
     ncu --clock-control none --set full -k regex:'gated_delta_rule|nvjet' python3 scripts/gpu_ncu_kernels.py
     python3 scripts/gpu_ncu_kernels.py flash chunked       (the kernels: flash|prep, setup|walk)
+
+(run as a script, as gpu_run.sh does: it imports its sibling gpu_bench_delta, as gpu_probe_recurrence does)
 """
 
 import sys
@@ -15,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import flash, gdn, gdn_chunk, gemm
-from scripts.gpu_bench_delta import inputs
+from gpu_bench_delta import inputs
 
 
 def recurrence():
