@@ -4,9 +4,12 @@
   products    the 100-token products whose weights stream slowest (N = 4096 from K = 4096 and 12288)
   flash       causal flash attention, 1000 tokens (16 query heads, 4 key/value heads, head dim 256)
   chunked     the chunked delta rule's setup and walk, 1000 tokens
+  rows        the row kernels of a 1000-token encode (the contract's real cases): gdn_inputs, swiglu,
+              rms_norm and gated_rms_norm with bf16 outputs
 
     ncu --clock-control none --set full -k regex:'gated_delta_rule|nvjet' python3 scripts/gpu_ncu_kernels.py
     python3 scripts/gpu_ncu_kernels.py flash chunked       (the kernels: flash|prep, setup|walk)
+    python3 scripts/gpu_ncu_kernels.py rows                (the kernels: gdn_inputs|swiglu|rms_norm)
 
 (run as a script, as gpu_run.sh does: it imports its sibling gpu_bench_delta, as gpu_probe_recurrence does)
 """
@@ -16,7 +19,7 @@ import sys
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import flash, gdn, gdn_chunk, gemm
+from cuda_kernels import elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, norms
 from gpu_bench_delta import inputs
 
 
@@ -61,7 +64,17 @@ def chunked():
         gdn_chunk.gated_delta_rule_chunked(*args, out, work)
 
 
-GROUPS = {"recurrence": recurrence, "products": products, "flash": attention, "chunked": chunked}
+def rows():
+    rng = np.random.default_rng(0)
+    wanted = ("gdn_inputs", "swiglu_bf16_in_out", "rms_norm_bf16_out", "gated_rms_norm_bf16_out")
+    for case in gdn_inputs.CASES + elementwise.CASES + norms.CASES:
+        if case.name in wanted:
+            inp = case.make(rng, "real")
+            for _ in range(2):
+                case.run(inp, False)
+
+
+GROUPS = {"recurrence": recurrence, "products": products, "flash": attention, "chunked": chunked, "rows": rows}
 
 
 def main(names):
