@@ -36,12 +36,17 @@ def conv_steps(width):
 
     @jit(device=True, forceinline=True)
     def load(x, w, ch, t0, taps, window, reverse):
+        # unsigned indices: numba wraps negative signed ones, a dozen 64-bit integer instructions a load
+        # (ncu, run AG: half of gdn_inputs' instructions were integer ones). Every load reads a row
+        # clamped into the prompt and the select zeroes those outside it.
         n = x.shape[0]
+        uch = uint64(ch)
         for j in range(width):
-            taps[j] = w[ch, width - 1 - j] if reverse else w[ch, j]
+            taps[j] = w[uch, uint64(width - 1 - j)] if reverse else w[uch, uint64(j)]
         for j in range(span):
             src = t0 - (width - 1) + j
-            window[j] = x[min(max(src, 0), n - 1), ch] if src >= 0 and src < n else float32(0.0)
+            value = x[uint64(min(max(src, 0), n - 1)), uch]
+            window[j] = value if src >= 0 and src < n else float32(0.0)
 
     @jit(device=True, forceinline=True)
     def output(taps, window, j):
