@@ -179,18 +179,16 @@ PACK = 4
 
 @functools.cache
 def _load4(bits):
-    """Elements 4c .. 4c + 3 of row r of a packed operand (bf16: one uint64 word; float32: two) into v.
-    Unsigned indices here and in the stores: numba wraps negative signed ones (a dozen 64-bit integer
-    instructions an access, as ncu showed in gdn_inputs)."""
+    """Elements 4c .. 4c + 3 of row r of a packed operand (bf16: one uint64 word; float32: two) into v."""
     @jit(device=True, forceinline=True)
     def load4(a, r, c, v):
         if bits:
-            word = a[uint64(r), uint64(c)]
+            word = a[r, c]
             for e in range(PACK):
                 v[e] = widen(uint16((word >> uint64(16 * e)) & uint64(0xFFFF)))
         else:
             for e in range(2):
-                word = a[uint64(r), uint64(2 * c + e)]
+                word = a[r, 2 * c + e]
                 v[2 * e] = as_float32(uint32(word & uint64(0xFFFFFFFF)))
                 v[2 * e + 1] = as_float32(uint32(word >> uint64(32)))
     return load4
@@ -225,12 +223,12 @@ def _swiglu_packed(control, bits, team, bits_in):
                     word = uint64(0)
                     for e in range(PACK):
                         word |= uint64(narrow(silu(g[j, e]) * u[j, e])) << uint64(16 * e)
-                    out[uint64(r), uint64(c)] = word
+                    out[r, c] = word
                 else:
                     for e in range(2):
                         lo = uint64(float32_bits(silu(g[j, 2 * e]) * u[j, 2 * e]))
                         hi = uint64(float32_bits(silu(g[j, 2 * e + 1]) * u[j, 2 * e + 1]))
-                        out[uint64(r), uint64(2 * c + e)] = lo | (hi << uint64(32))
+                        out[r, 2 * c + e] = lo | (hi << uint64(32))
     return swiglu_packed
 
 
