@@ -2,7 +2,12 @@
 gpu_encoder_9b.py) under CUPTI, its kernels and copies in time order, the span from the first start to
 the last end, the time covered by some kernel, and the largest idle gaps with the kernels on either side;
 beside the CUDA-event time of the same call. (In run AI the kernels' CUPTI times summed to 26.9 ms where
-the events timed the graph at 29.5.)
+the events timed the graph at 29.5; run AJ: one replay's events span 27.4 ms, 0.34 of it idle, where the
+same call's events said 29.6, so ~2.2 ms lie outside the graph's nodes.)
+
+Then the bucket's graph captured again with an event node first and last (`marked`): the outer events
+around the launch against the inner ones say whether that time is before the first node (the launch)
+or after the last; `upload` launches after cuda.core's Graph.upload on the same stream.
 
     python3 scripts/gpu_encoder_gaps.py --out gaps.json [--tokens 1000]
 """
@@ -13,8 +18,10 @@ import json
 import numpy as np
 import torch
 
+from numba import cuda
+
 from gpu_encoder_9b import CONFIG, make_weights
-from moss_cli.ops.cuda_table import CudaEncoder
+from moss_cli.ops.cuda_table import CudaEncoder, bucket, capture, numba_stream
 
 
 def timeline(enc, ids, held):
@@ -41,10 +48,48 @@ def summary(spans, top=25):
             "largest_gaps": [f"{g / 1e3:.4f} ms after {a[:70]} before {b[:70]}" for g, a, b in gaps[:top]]}
 
 
+def marked(enc, n, repeats=5):
+    """Outer (around the launch) and inner (first and last graph nodes) event times of the n-token bucket's
+    graph, captured as CudaEncoder._capture does with two event nodes added; median ms over repeats."""
+    ops, size = enc.ops, bucket(n)
+    dummy = np.zeros(size, dtype=np.int64)
+    enc.model(dummy)
+    first, last = cuda.event(), cuda.event()
+
+    def run():
+        first.record(numba_stream(ops.stream))
+        out = enc.model(dummy)
+        last.record(numba_stream(ops.stream))
+        return out
+    ops.ids_host = cuda.pinned_array(size, np.int32)
+    try:
+        graph, stream, _ = capture(ops, run)
+    finally:
+        ops.ids_host = None
+    queue = numba_stream(stream)
+    began, ran = cuda.event(), cuda.event()
+    result = {}
+    for mode in ("launch", "upload"):
+        rows = []
+        for _ in range(repeats + 1):
+            began.record(queue)
+            if mode == "upload":
+                graph.upload(stream)
+            graph.launch(stream)
+            ran.record(queue)
+            ran.synchronize()
+            rows.append((cuda.event_elapsed_time(began, first), cuda.event_elapsed_time(first, last),
+                         cuda.event_elapsed_time(last, ran), cuda.event_elapsed_time(began, ran)))
+        rows = np.array(rows[1:])
+        result[mode] = dict(zip(("to_first_node_ms", "first_to_last_node_ms", "last_node_to_end_ms", "total_ms"),
+                                np.median(rows, axis=0).round(4).tolist()))
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="gaps.json")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1000])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1000, 100])
     args = parser.parse_args()
     enc = CudaEncoder(make_weights(CONFIG), CONFIG)
     enc.upload()
@@ -59,6 +104,10 @@ def main():
         for _ in range(2):
             spans, timings = timeline(enc, ids, held)
             runs.append(dict(summary(spans), timings=timings))
+        try:
+            runs.append({"marked": marked(enc, n)})
+        except Exception as exc:      # a diagnosis: report, go on
+            runs.append({"marked_failed": repr(exc)})
         result[str(n)] = runs
         print(json.dumps(result[str(n)], indent=1), flush=True)
         with open(args.out, "w") as f:
