@@ -218,7 +218,8 @@ def rms_norm(x, w, out, eps, offset, stream=0, control=False):
     """out = x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis of x [L, H, d] (any strides: the
     heads of a column block); w float32 [d]; out float32, or uint16 for bf16 bits (round to nearest even)."""
     grid, team, per = _geometry(x)
-    _rms(control, _bits(out), team, per, x.shape[2] == team * per)[grid, BLOCK, stream](x, w, out, np.float32(eps), np.float32(offset))
+    kernel = _rms(control, _bits(out), team, per, x.shape[2] == team * per)
+    kernel[grid, BLOCK, stream](x, w, out, np.float32(eps), np.float32(offset))
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
@@ -382,9 +383,10 @@ CASES = [
     Case("rms_norm_rope", _make_rms_rope, _run_rms_rope, _ref_rms_rope,
          notes="q heads of a (q | gate) product; control: rotates the other way (sin negated)"),
     Case("rms_norm", _maker(16384, 256), _run_rms, _ref_rms, notes="control: plain w where zero-centred needs 1 + w"),
-    Case("l2_norm", _maker(16384, 128, (6, 32)), _run_l2, _ref_l2, notes="control: mean of squares instead of the sum"),
-    Case("rms_norm_bf16_out", _maker(4000, 4096, (6, 32)), lambda i, c: _run_rms(i, c, True), lambda i: _ref_rms(i, True),
-         notes="control: plain w where zero-centred needs 1 + w"),
+    Case("l2_norm", _maker(16384, 128, (6, 32)), _run_l2, _ref_l2,
+         notes="control: mean of squares instead of the sum"),
+    Case("rms_norm_bf16_out", _maker(4000, 4096, (6, 32)), lambda i, c: _run_rms(i, c, True),
+         lambda i: _ref_rms(i, True), notes="control: plain w where zero-centred needs 1 + w"),
     Case("gated_rms_norm", _maker(4000, 4096), _run_gated, _ref_gated, notes="control: sigmoid(z) gate instead of silu(z)"),
     Case("gated_rms_norm_bf16_out", _maker(32768, 128, (6, 32)), lambda i, c: _run_gated(i, c, True),
          lambda i: _ref_gated(i, True), notes="control: sigmoid(z) gate instead of silu(z)"),

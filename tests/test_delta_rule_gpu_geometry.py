@@ -43,7 +43,8 @@ def run(control):
     gdn.gated_delta_rule(*arrays, out, control=control, geometry={geometry})
     return out.copy_to_host()
 expected, bound = gdn._ref_delta(inp)
-print(gate(run(False), expected, bound)[0], gate(run(True), expected, bound)[0])
+plain, control = gate(run(False), expected, bound), gate(run(True), expected, bound)
+print(plain[0], control[0], plain[1], control[1])
 """
 
 CHUNKED = """
@@ -54,8 +55,9 @@ gc.AREA = gc.CHUNK * gc.ROW
 gs.THREADS, gs.STRIP = {setup}
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear(); gs._setup.clear()
 expected, bound = gc._ref_chunked(inp)
-print(gate(gc._run(inp, False, setup="{form}"), expected, bound)[0],
-      gate(gc._run(inp, True, setup="{form}"), expected, bound)[0])
+plain = gate(gc._run(inp, False, setup="{form}"), expected, bound)
+control = gate(gc._run(inp, True, setup="{form}"), expected, bound)
+print(plain[0], control[0], plain[1], control[1])
 """
 
 
@@ -81,17 +83,22 @@ SCRIPTS = {
 
 
 def simulate(script):
-    """The words a script prints, run in its own process in the numba CUDA simulator."""
+    """The words a script prints, run in its own process in the numba CUDA simulator, and what it printed
+    (stdout and stderr, for a failed comparison's message)."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.split()
+    printed = f"stdout: {done.stdout}\nstderr: {done.stderr[-3000:]}"
+    assert done.returncode == 0, printed
+    return done.stdout.split(), printed
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
 def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
-    assert simulate(script) == ["True", "False"]
+    # the gate's and the control's verdicts, then their worst |err| / bound (in the message if it fails: a
+    # ninth-session run failed this once for the chunked form and did not again in 18 reruns)
+    words, printed = simulate(script)
+    assert words[:2] == ["True", "False"], printed
 
 
 TIMED = INPUTS.format(n=13, dk=8) + """
@@ -114,4 +121,5 @@ print(outs[0].tobytes() == outs[1].tobytes(), gate(outs[1], expected, bound)[0],
 def test_timed_recurrence_writes_its_stamps_and_the_same_outputs():
     """The bench's timed recurrence (%clock64 stamps per block, gdn.STAMPS) at the simulator's geometry:
     the same output bytes as the untimed kernel, within the gate, and every block's stamps written."""
-    assert simulate(TIMED) == ["True", "True", "True"]
+    words, printed = simulate(TIMED)
+    assert words == ["True", "True", "True"], printed
