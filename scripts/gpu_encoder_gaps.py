@@ -7,13 +7,15 @@ same call's events said 29.6, so ~2.2 ms lie outside the graph's nodes.)
 
 Then the bucket's graph captured again with an event node first and last (`marked`): the outer events
 around the launch against the inner ones say whether that time is before the first node (the launch)
-or after the last; `upload` launches after cuda.core's Graph.upload on the same stream.
+or after the last (`launch_call_ms`: the host's graph.launch call alone); `upload` launches after
+cuda.core's Graph.upload on the same stream.
 
     python3 scripts/gpu_encoder_gaps.py --out gaps.json [--tokens 1000]
 """
 
 import argparse
 import json
+import time
 
 import numpy as np
 import torch
@@ -75,14 +77,16 @@ def marked(enc, n, repeats=5):
             began.record(queue)
             if mode == "upload":
                 graph.upload(stream)
+            t = time.perf_counter()
             graph.launch(stream)
+            host = 1e3 * (time.perf_counter() - t)
             ran.record(queue)
             ran.synchronize()
             rows.append((cuda.event_elapsed_time(began, first), cuda.event_elapsed_time(first, last),
-                         cuda.event_elapsed_time(last, ran), cuda.event_elapsed_time(began, ran)))
+                         cuda.event_elapsed_time(last, ran), cuda.event_elapsed_time(began, ran), host))
         rows = np.array(rows[1:])
-        result[mode] = dict(zip(("to_first_node_ms", "first_to_last_node_ms", "last_node_to_end_ms", "total_ms"),
-                                np.median(rows, axis=0).round(4).tolist()))
+        names = ("to_first_node_ms", "first_to_last_node_ms", "last_node_to_end_ms", "total_ms", "launch_call_ms")
+        result[mode] = dict(zip(names, np.median(rows, axis=0).round(4).tolist()))
     return result
 
 
