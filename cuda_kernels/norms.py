@@ -16,9 +16,10 @@ from .core import (BLOCK, EPS32, SHARED, Case, bf16_bound, from_bf16_bits, gamma
 
 
 def _geometry(x):
-    """(grid, team, per) for the rows of x [L, H, d], BLOCK // team rows per block."""
+    """(grid, team, per, exact) for the rows of x [L, H, d], BLOCK // team rows per block; exact: d is
+    team x per (the kernels' unchecked form, _load_row)."""
     team, per = row_team(x.shape[2])
-    return -(-(x.shape[0] * x.shape[1]) // (BLOCK // team)), team, per
+    return -(-(x.shape[0] * x.shape[1]) // (BLOCK // team)), team, per, x.shape[2] == team * per
 
 
 @functools.cache
@@ -205,7 +206,7 @@ def rms_norm_rope(x, w, cos, sin, out, eps, offset, stream=0, control=False):
     d, r = x.shape[2], cos.shape[1]
     if not rms_norm_rope_fits(d, r):
         raise ValueError(f"rms_norm_rope: rows of {d} with {r} rotated pairs do not fit one thread's registers")
-    grid, team, per = _geometry(x)
+    grid, team, per, _ = _geometry(x)
     _rms_rope(control, team, per, r // team)[grid, BLOCK, stream](x, w, cos, sin, out, np.float32(eps),
                                                                   np.float32(offset))
 
@@ -217,23 +218,22 @@ def _bits(out):
 def rms_norm(x, w, out, eps, offset, stream=0, control=False):
     """out = x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis of x [L, H, d] (any strides: the
     heads of a column block); w float32 [d]; out float32, or uint16 for bf16 bits (round to nearest even)."""
-    grid, team, per = _geometry(x)
-    kernel = _rms(control, _bits(out), team, per, x.shape[2] == team * per)
-    kernel[grid, BLOCK, stream](x, w, out, np.float32(eps), np.float32(offset))
+    grid, team, per, exact = _geometry(x)
+    _rms(control, _bits(out), team, per, exact)[grid, BLOCK, stream](x, w, out, np.float32(eps), np.float32(offset))
 
 
 def l2_norm(x, out, eps, scale=1.0, stream=0, control=False):
     """out = x / sqrt(sum(x^2) + eps) * scale over the last axis of x [L, H, d] (any strides: the heads of a
     column block) (eps inside the sqrt of the sum)."""
-    grid, team, per = _geometry(x)
-    _l2(control, team, per, x.shape[2] == team * per)[grid, BLOCK, stream](x, out, np.float32(eps), np.float32(scale))
+    grid, team, per, exact = _geometry(x)
+    _l2(control, team, per, exact)[grid, BLOCK, stream](x, out, np.float32(eps), np.float32(scale))
 
 
 def gated_rms_norm(x, z, w, out, eps, stream=0, control=False):
     """out = (w * x / sqrt(mean(x^2) + eps)) * silu(z) over the last axis of x, z [L, H, d] (any strides);
     w float32 [d]; out float32 or uint16 (bf16 bits)."""
-    grid, team, per = _geometry(x)
-    _gated(control, _bits(out), team, per, x.shape[2] == team * per)[grid, BLOCK, stream](x, z, w, out, np.float32(eps))
+    grid, team, per, exact = _geometry(x)
+    _gated(control, _bits(out), team, per, exact)[grid, BLOCK, stream](x, z, w, out, np.float32(eps))
 
 
 # --- float64 references: the spec of each kernel ----------------------------------------------
