@@ -157,60 +157,75 @@ class MossTransformer:
             self._tables[key] = (self.ops.array(cos), self.ops.array(sin))
         return self._tables[key]
 
+    def conditioning(self, e):
+        """The six block vectors and the head's (shift, scale), each [1, dim], from the time sinusoid e
+        [1, freq_dim] (an op-table array): once per step, shared by both CFG passes."""
+        ops, d = self.ops, self.config["dim"]
+        h = ops.silu(ops.linear(e, self._p("time_embedding.0.weight"), self._p("time_embedding.0.bias")))
+        time = ops.linear(h, self._p("time_embedding.2.weight"), self._p("time_embedding.2.bias"))
+        mod = ops.linear(time, self._p("shared_block_modulation.weight"), self._p("shared_block_modulation.bias"))
+        head = ops.linear(time, self._p("video_head_modulation.weight"), self._p("video_head_modulation.bias"))
+        return ([ops.slice(mod, 1, k * d, (k + 1) * d) for k in range(6)],
+                [ops.slice(head, 1, k * d, (k + 1) * d) for k in range(2)])
+
     def _conditioning(self, timestep):
-        """The six block vectors and the head (shift, scale), each [1, dim]; computed once per timestep."""
         key = float(np.float32(timestep))
         if self._cond[0] != key:
-            ops, d = self.ops, self.config["dim"]
-            e = ops.array(time_sinusoid(key, self.config["freq_dim"]))
-            h = ops.silu(ops.linear(e, self._p("time_embedding.0.weight"), self._p("time_embedding.0.bias")))
-            time = ops.linear(h, self._p("time_embedding.2.weight"), self._p("time_embedding.2.bias"))
-            mod = ops.linear(time, self._p("shared_block_modulation.weight"), self._p("shared_block_modulation.bias"))
-            head = ops.linear(time, self._p("video_head_modulation.weight"), self._p("video_head_modulation.bias"))
-            mod = [ops.slice(mod, 1, k * d, (k + 1) * d) for k in range(6)]
-            head = [ops.slice(head, 1, k * d, (k + 1) * d) for k in range(2)]
-            self._cond = (key, (mod, head))
+            self._cond = (key, self.conditioning(self.ops.array(time_sinusoid(key, self.config["freq_dim"]))))
         return self._cond[1]
 
     # --- pieces ------------------------------------------------------------------------------
     def _heads(self, x):
         return self.ops.reshape(x, (x.shape[0], self.heads, self.head_dim))
 
-    def _qk(self, x, norm, cos, sin):
-        """Per-head RMSNorm, then RoPE."""
-        return self.ops.rope(self.ops.rms_norm(self._heads(x), norm, EPS), cos, sin)
-
-    def _attend(self, q, k, v):
-        o = self.ops.attention(q, k, v, 1.0 / math.sqrt(self.head_dim))
-        return self.ops.reshape(o, (o.shape[0], self.heads * self.head_dim))
+    def _attention(self, q, k, v, q_norm, k_norm, cos, sin):
+        """Per-head RMSNorm + RoPE on q and k, bidirectional attention, heads merged: [L, dim]."""
+        ops = self.ops
+        q = ops.rms_norm_rope(self._heads(q), q_norm, cos, sin, EPS)
+        k = ops.rms_norm_rope(self._heads(k), k_norm, cos, sin, EPS)
+        o = ops.attention(q, k, self._heads(v), 1.0 / math.sqrt(self.head_dim))
+        return ops.reshape(o, (o.shape[0], self.heads * self.head_dim))
 
     def _text_block(self, b, x, cos, sin):
         ops, d = self.ops, self.config["dim"]
         p = f"text_embedder.blocks.{b}."
-        y = ops.rms_norm(x, self._p(p + "norm1.weight"), EPS)
-        qkv = ops.linear(y, self._p(p + "qkv.weight"), self._p(p + "qkv.bias"))
-        q = self._qk(ops.slice(qkv, 1, 0, d), self._p(p + "q_norm.weight"), cos, sin)
-        k = self._qk(ops.slice(qkv, 1, d, 2 * d), self._p(p + "k_norm.weight"), cos, sin)
-        v = self._heads(ops.slice(qkv, 1, 2 * d, 3 * d))
-        x = ops.add(x, ops.linear(self._attend(q, k, v), self._p(p + "proj.weight"), self._p(p + "proj.bias")))
-        y = ops.rms_norm(x, self._p(p + "norm2.weight"), EPS)
-        a = ops.situ(ops.linear(y, self._p(p + "ffn_up.weight"), self._p(p + "ffn_up.bias")),
-                     ops.linear(y, self._p(p + "ffn_gate.weight"), self._p(p + "ffn_gate.bias")))
-        return ops.add(x, ops.linear(a, self._p(p + "ffn_down.weight"), self._p(p + "ffn_down.bias")))
+        y = ops.rms_norm(x, self._p(p + "norm1.weight"), EPS, operand=True)
+        q, k, v = ops.split(ops.linear(y, self._p(p + "qkv.weight"), self._p(p + "qkv.bias"), narrow=True), (d, d, d))
+        a = self._attention(q, k, v, self._p(p + "q_norm.weight"), self._p(p + "k_norm.weight"), cos, sin)
+        x = ops.linear(a, self._p(p + "proj.weight"), self._p(p + "proj.bias"), residual=x)
+        y = ops.rms_norm(x, self._p(p + "norm2.weight"), EPS, operand=True)
+        a = ops.situ(ops.linear(y, self._p(p + "ffn_up.weight"), self._p(p + "ffn_up.bias"), narrow=True),
+                     ops.linear(y, self._p(p + "ffn_gate.weight"), self._p(p + "ffn_gate.bias"), narrow=True))
+        return ops.linear(a, self._p(p + "ffn_down.weight"), self._p(p + "ffn_down.bias"), residual=x)
 
-    def _joint_block(self, i, x, mod, cos, sin):
+    def _joint_block(self, i, x, y, mod, cos, sin, after):
+        """Block i on the stream x and its modulated norm y; returns the new stream and `after` = (norm
+        weight, shift, scale) applied to it: the next block's norm1, or the head's final norm."""
         ops, f = self.ops, self.config["ffn_dim"]
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod
         p = f"layers.{i}."
-        y = ops.modulate(ops.rms_norm(x, self._p(p + "norm1.weight"), EPS), shift_a, scale_a)
-        q = self._qk(ops.linear(y, self._p(p + "proj.q.weight")), self._p(p + "q_norm.weight"), cos, sin)
-        k = self._qk(ops.linear(y, self._p(p + "proj.k.weight")), self._p(p + "k_norm.weight"), cos, sin)
-        v = self._heads(ops.linear(y, self._p(p + "proj.v.weight")))
-        x = ops.gated_residual(x, ops.linear(self._attend(q, k, v), self._p(p + "proj.o.weight")), gate_a)
-        y = ops.modulate(ops.rms_norm(x, self._p(p + "norm2.weight"), EPS), shift_f, scale_f)
-        up_gate = ops.linear(y, self._p(p + "proj.ffn_up_gate.weight"))
-        a = ops.situ(ops.slice(up_gate, 1, 0, f), ops.slice(up_gate, 1, f, 2 * f))
-        return ops.gated_residual(x, ops.linear(a, self._p(p + "proj.ffn_down.weight")), gate_f)
+        q, k, v = ops.linears(y, ops.params(self.tensors, [p + "proj.q.weight", p + "proj.k.weight",
+                                                          p + "proj.v.weight"]), narrow=True)
+        a = self._attention(q, k, v, self._p(p + "q_norm.weight"), self._p(p + "k_norm.weight"), cos, sin)
+        o = ops.linear(a, self._p(p + "proj.o.weight"), narrow=True)
+        x, y = ops.residual_norm_modulate(x, o, gate_a, self._p(p + "norm2.weight"), EPS, shift_f, scale_f)
+        up, gate = ops.split(ops.linear(y, self._p(p + "proj.ffn_up_gate.weight"), narrow=True), (f, f))
+        down = ops.linear(ops.situ(up, gate), self._p(p + "proj.ffn_down.weight"), narrow=True)
+        return ops.residual_norm_modulate(x, down, gate_f, after[0], EPS, after[1], after[2])
+
+    def tokens_velocity(self, image, n, mod, head, cos, sin, text, skip=frozenset()):
+        """Velocity tokens [n, C] for the embedded-ready image tokens [n, C] (op array) and a refined text."""
+        ops = self.ops
+        x = ops.linear(image, self._p("video_embedder.weight"), self._p("video_embedder.bias"))
+        x = ops.concat([x, text.tokens], axis=0)
+        run = [i for i in range(self.num_layers) if i not in skip]
+        shift_a, scale_a = mod[0], mod[1]
+        norms = [(self._p(f"layers.{i}.norm1.weight"), shift_a, scale_a) for i in run]
+        norms.append((self._p("final_norm_video.weight"), head[0], head[1]))
+        y = ops.norm_modulate(x, norms[0][0], EPS, norms[0][1], norms[0][2])
+        for i, after in zip(run, norms[1:]):
+            x, y = self._joint_block(i, x, y, mod, cos, sin, after)
+        return ops.linear(ops.slice(y, 0, 0, n), self._p("final_linear_video.weight"))
 
     # --- public ------------------------------------------------------------------------------
     def prepare_text(self, rows):
@@ -241,12 +256,6 @@ class MossTransformer:
         mod, head = self._conditioning(timestep)
         cos, sin = self._rope(h, w, text.length)
         x = ops.transpose(ops.reshape(ops.array(latents), (ch, n)), (1, 0))   # token y*w + x
-        x = ops.linear(x, self._p("video_embedder.weight"), self._p("video_embedder.bias"))
-        x = ops.concat([x, text.tokens], axis=0)
-        for i in range(self.num_layers):
-            if i not in skip:
-                x = self._joint_block(i, x, mod, cos, sin)
-        x = ops.rms_norm(ops.slice(x, 0, 0, n), self._p("final_norm_video.weight"), EPS)
-        v = ops.linear(ops.modulate(x, head[0], head[1]), self._p("final_linear_video.weight"))
+        v = self.tokens_velocity(x, n, mod, head, cos, sin, text, skip)
         out = ops.host(ops.reshape(ops.transpose(v, (1, 0)), (1, ch, h, w)))
         return out.astype(np.promote_types(out.dtype, np.float32))

@@ -24,6 +24,7 @@ from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bit
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, text_config
+from .cuda_dit import DitCudaOps
 from .numpy_gdn import GdnOps
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
@@ -78,7 +79,7 @@ def _strides(shape):
     return tuple(reversed(out))
 
 
-class CudaOps:
+class CudaOps(DitCudaOps):
     """Same methods as NumpyOps (float32 compute), on one stream; see the module docstring."""
 
     name = "cuda"
@@ -267,7 +268,7 @@ class CudaOps:
         axis %= x.ndim
         shape = list(x.shape)
         shape[axis] = stop - start
-        out = self.new(shape)
+        out = self.new(shape, x.dtype)
         if not _dense(x):        # a column block of a product: one strided copy
             flat, strides = self._flat(x)
             self._copy(flat, start * strides[axis], strides, out, 0, _strides(shape), shape)
@@ -454,7 +455,10 @@ class CudaOps:
         return out
 
     def rms_norm_rope(self, x, w, cos, sin, eps, offset=0.0):
-        """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two."""
+        """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two;
+        bf16 heads (the DiT's) give bf16 heads (cuda_dit)."""
+        if x.dtype == np.uint16 and offset == 0.0:
+            return self.qk_norm_rope(x, w, cos, sin, eps)
         if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[x.ndim - 1], cos.shape[1])):
             return self.rope(self.rms_norm(x, w, eps, offset), cos, sin)
         out = self.new(x.shape)
@@ -462,6 +466,8 @@ class CudaOps:
         return out
 
     def attention(self, q, k, v, scale, causal=False):
+        if q.dtype == np.uint16 and not causal:         # the DiT's bf16 heads (cuda_dit)
+            return self.bf16_attention(q, k, v, scale)
         if self.attention_form == "flash":      # q, k, v of any strides
             out = self.new(q.shape)
             shapes = flash.workspace_shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2])

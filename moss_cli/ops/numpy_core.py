@@ -101,8 +101,8 @@ class CoreOps:
         """Several weights read together by `linears` (a GPU table stacks them into one matrix)."""
         return [self.param(tensors, name) for name in names]
 
-    def linear(self, x, w, b=None, residual=None):
-        """x @ w.T (+ b) (+ residual), w stored torch-style [out, in]."""
+    def linear(self, x, w, b=None, residual=None, narrow=False):
+        """x @ w.T (+ b) (+ residual), w stored torch-style [out, in]. `narrow` as in linears."""
         y = x @ w.T
         if b is not None:
             y = y + b

@@ -23,3 +23,13 @@ class DitOps:
     def gated_residual(self, x, update, gate):
         """x + update * gate; gate [1, D] broadcast over the tokens."""
         return x + update * gate
+
+    def norm_modulate(self, x, w, eps, shift, scale):
+        """modulate(rms_norm(x, w), shift, scale): one op, so a GPU table can fuse it (and write bf16)."""
+        return self.modulate(self.rms_norm(x, w, eps), shift, scale)
+
+    def residual_norm_modulate(self, x, update, gate, w, eps, shift, scale):
+        """(x + update * gate, norm_modulate of that): the block's residual add and the next norm, fused
+        on a GPU table (which updates x in place)."""
+        x = self.gated_residual(x, update, gate)
+        return x, self.norm_modulate(x, w, eps, shift, scale)

@@ -1,0 +1,142 @@
+"""The DiT's sampling loop on the GPU: the latents stay on the device for the whole trajectory, and each
+denoising step (time embedding and modulation, the conditional pass, the unconditional pass with or
+without its skipped blocks, the CFG combination and the Euler update) is one CUDA graph, captured once per
+(size, text lengths, pass kind) and replayed every step with no host synchronisation inside it.
+
+A step reads its scalars (the time sinusoid, dt, the guidance) from a small device buffer that one
+device-to-device copy refreshes before each replay, from a table of every step's values made up front.
+"""
+
+import time
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import dit
+
+from ..sampler import guided  # noqa: F401  (the CPU statement the CFG kernel follows)
+from ..schedule import timesteps
+from ..transformer import MossTransformer, check_layers, time_sinusoid
+from .cuda_table import CudaOps, capture, numba_stream
+
+
+class CudaDenoiser:
+    """MossTransformer on the CUDA op table with a graph-per-step sampler (`sample`)."""
+
+    def __init__(self, tensors, config):
+        self.ops = CudaOps()
+        self.model = MossTransformer(self.ops, tensors, config)
+        self.num_layers = self.model.num_layers
+        self.config = self.model.config
+        self._graphs = {}
+        self._stream = None
+        self._fixed = {}
+        self.timings = {}
+
+    def upload(self):
+        """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager step on a
+        one-token image and a one-token text."""
+        text = self.prepare_text(np.zeros((8, self.config["text_dim"]), np.float32))
+        self.model.velocity(np.zeros((1, self.config["latent_channels"], 2, 2), np.float32), 1000.0, text)
+        cuda.synchronize()
+
+    def prepare_text(self, rows):
+        """The text refiner on one prompt's rows (eager: once per prompt)."""
+        return self.model.prepare_text(rows)
+
+    def velocity(self, latents, timestep, text, skip_layers=frozenset()):
+        """One eager pass, host in and out (per-pass checks)."""
+        return self.model.velocity(latents, timestep, text, skip_layers)
+
+    # --- the step graph --------------------------------------------------------------------
+    def _step(self, x, step, cond, uncond, skip, cfg, velocity):
+        """The ops of one step on latents x [C, n] (device, updated in place); `step` the device scalars."""
+        ops, model = self.ops, self.model
+        freq, ch = self.config["freq_dim"], self.config["latent_channels"]
+        h, w = self._size
+        n = h * w
+        mod, head = model.conditioning(step[:freq].reshape(1, freq))
+        tokens = ops.new((n, ch), np.uint16)
+        dit.patchify(x, tokens, stream=ops.stream)
+        cos, sin = model._rope(h, w, cond.length)
+        c = model.tokens_velocity(tokens, n, mod, head, cos, sin, cond)
+        u = c
+        if cfg:
+            cos, sin = model._rope(h, w, uncond.length)
+            u = model.tokens_velocity(tokens, n, mod, head, cos, sin, uncond, skip)
+        dit.cfg_euler(x, c, u, velocity, step[freq:], cfg=cfg, stream=ops.stream)
+
+    def _graph(self, key, x, step, cond, uncond, skip, cfg, velocity):
+        if key not in self._graphs:
+            scratch = cuda.device_array_like(x)
+            scratch.copy_to_device(x)
+            self._step(scratch, step, cond, uncond, skip, cfg, velocity)    # compiles, plans, fills the pool
+            cuda.synchronize()
+            graph, stream, _ = capture(self.ops, lambda: self._step(x, step, cond, uncond, skip, cfg, velocity))
+            if self._stream is None:
+                self._stream = stream        # every graph replays on this one stream, in step order
+            self._graphs[key] = (graph, self.ops.kept, cond, uncond)   # the texts' buffers stay alive with it
+        return self._graphs[key][0]
+
+    def _buffers(self, ch, h, w):
+        """The latents, the step's scalars and the velocity: fixed per size, as the graphs read them."""
+        key = (ch, h, w)
+        if key not in self._fixed:
+            freq = self.config["freq_dim"]
+            self._fixed[key] = (cuda.device_array((ch, h * w), np.float32), cuda.device_array(freq + 2, np.float32),
+                                cuda.device_array((ch, h * w), np.float32))
+        return self._fixed[key]
+
+    def sample(self, noise, sigmas, cond, uncond, guidance, skip_layers=(), skip_start=0.0, skip_stop=1.0,
+               on_step=None, arrays=False):
+        """Denoise noise [1, C, h, w] along sigmas [N+1] as sampler.sample does; returns float32 latents.
+
+        on_step(i, sigma, latents_in, velocity) after each step's graph has run: with `arrays` the two are
+        host copies (a trace), else None (progress only)."""
+        sigmas = np.asarray(sigmas, dtype=np.float32)
+        steps = len(sigmas) - 1
+        cfg = float(guidance) != 1.0
+        skip = check_layers(skip_layers, self.num_layers)
+        _, ch, h, w = noise.shape
+        self._size = (h, w)
+        freq = self.config["freq_dim"]
+        table = np.zeros((steps, freq + 2), np.float32)
+        for i, t in enumerate(timesteps(sigmas)):
+            table[i, :freq] = time_sinusoid(float(t), freq)[0]
+            table[i, freq] = np.float32(sigmas[i + 1]) - np.float32(sigmas[i])
+            table[i, freq + 1] = np.float32(guidance)
+        table_d = cuda.to_device(table)
+        x, step, velocity = self._buffers(ch, h, w)
+        step.copy_to_device(table_d[0])
+        x.copy_to_device(np.ascontiguousarray(noise, np.float32).reshape(ch, h * w))
+        lengths = (cond.length, uncond.length if cfg else 0)
+        graphs = {}
+        for i in range(steps):
+            active = cfg and skip and skip_start <= i / steps < skip_stop
+            kind = frozenset(skip) if active else frozenset()
+            if kind not in graphs:
+                key = (ch, h, w, lengths, cfg, kind, id(cond), id(uncond))
+                graphs[kind] = self._graph(key, x, step, cond, uncond, kind, cfg, velocity)
+        self._last = graphs
+        began = time.perf_counter()
+        start, stop = cuda.event(), cuda.event()
+        stream = self._stream
+        queue = numba_stream(stream)
+        for i in range(steps):
+            active = cfg and skip and skip_start <= i / steps < skip_stop
+            graph = graphs[frozenset(skip) if active else frozenset()]
+            latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
+            step.copy_to_device(table_d[i], stream=queue)
+            if i == 0:
+                start.record(queue)
+            graph.launch(stream)
+            if on_step is not None:
+                v = velocity.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
+                queue.synchronize()
+                on_step(i, sigmas[i], latents_in, v)
+        stop.record(queue)
+        out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
+        queue.synchronize()
+        self.timings = {"steps": steps, "gpu_s": cuda.event_elapsed_time(start, stop) / 1e3,
+                        "wall_s": time.perf_counter() - began}
+        return out

@@ -1,0 +1,59 @@
+"""The DiT's ops on the GPU (numpy_dit's twins): SiTU-GLU, the fused norm + modulation (+ gated residual),
+q/k norm + RoPE on bf16 heads, attention on bf16 heads (cuDNN's fused SDPA, else the flash kernel).
+
+The residual stream is float32 (the official eager chain keeps it bf16: ours is the more accurate one);
+every tensor that feeds a product or the attention is bf16 bits, as in the official chain.
+"""
+
+import numpy as np
+
+from cuda_kernels import dit, flash, sdpa
+
+
+class DitCudaOps:
+    use_cudnn = True           # attention on bf16 heads through cuDNN where it loads (else flash)
+
+    def situ(self, hidden, gate):
+        """SiTU-GLU of bf16 halves (any strides) -> bf16 bits [L, F], the down product's operand."""
+        out = self.new(hidden.shape, np.uint16)
+        dit.situ(hidden, gate, out, stream=self.stream)
+        return out
+
+    def norm_modulate(self, x, w, eps, shift, scale):
+        """modulate(rms_norm(x, w), shift, scale) as bf16 bits [L, D]."""
+        out = self.new(x.shape, np.uint16)
+        dit.norm_modulate(x, w, self._vector(shift), self._vector(scale), out, eps, stream=self.stream)
+        return out
+
+    def residual_norm_modulate(self, x, update, gate, w, eps, shift, scale):
+        """(x + update gate, modulate(rms_norm(that), shift, scale)): x is updated in place (float32)."""
+        out = self.new(x.shape, np.uint16)
+        dit.norm_modulate(x, w, self._vector(shift), self._vector(scale), out, eps, u=self._rows(update),
+                          gate=self._vector(gate), stream=self.stream)
+        return x, out
+
+    def _vector(self, v):
+        return v.reshape(v.size)
+
+    def qk_norm_rope(self, x, w, cos, sin, eps):
+        out = self.new(x.shape, np.uint16)
+        dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream)
+        return out
+
+    def bf16_attention(self, q, k, v, scale):
+        """Bidirectional attention of bf16 heads [S, H, D] -> bf16 bits [S, H, D]."""
+        out = self.new(q.shape, np.uint16)
+        if self.use_cudnn and sdpa.supports(q, k, v, out, scale):
+            sdpa.attention(q, k, v, out, scale, stream=self.stream)
+            return out
+        wide = [self._widen(a) for a in (q, k, v)]
+        shapes = flash.workspace_shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+        work = {name: self.new(shape, np.uint32) for name, shape in shapes.items()}
+        result = self.new(q.shape)
+        flash.flash_attention(*wide, result, scale, False, stream=self.stream, work=work)
+        return result
+
+    def _widen(self, bits):
+        out = self.new(bits.shape)
+        dit.widen_heads(bits, out, stream=self.stream)
+        return out
