@@ -1,6 +1,7 @@
 """The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn, its default
 and other launch geometries) against the chunked form (gdn_chunk, TF32 products, serial-pass geometries), each
-captured as a CUDA graph and replayed.
+captured as a CUDA graph and replayed; each stage of the chunked form alone; the cycle stamps of the
+recurrence's timed kernel (gdn.STAMPS) and of the chunk setup's phases (gdn_setup.PHASES).
 
     python scripts/gpu_bench_delta.py --out delta.json
 """
@@ -13,7 +14,7 @@ import time
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import gdn, gdn_chunk
+from cuda_kernels import gdn, gdn_chunk, gdn_setup
 from moss_cli.ops.cuda_table import CudaOps, capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -82,6 +83,24 @@ def recurrence_cycles(args, n):
     return {"recurrent_cycles": cycles, "recurrent_cycles_per_token": {k: v / n for k, v in cycles.items()}}
 
 
+def setup_cycles(args, launches=3):
+    """The chunk setup's timed kernel (%clock64 of each block's thread 0 at each of gdn_setup.PHASES):
+    the median over blocks of each phase's span and of the block's whole span, in cycles."""
+    q, k, v, g, beta = args
+    n, n_hk, dk = q.shape
+    shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], "fused")
+    work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
+    stamps = cuda.device_array((v.shape[1] * -(-n // gdn_chunk.CHUNK), len(gdn_setup.PHASES)), np.int64)
+    for _ in range(launches):
+        gdn_setup.chunk_setup(q, k, v, g, beta, work["uw"], work["p"], work["gam"], stamps=stamps)
+    cuda.synchronize()
+    st = stamps.copy_to_host().astype(np.float64)
+    spans = np.diff(st, axis=1)
+    phases = zip(gdn_setup.PHASES, gdn_setup.PHASES[1:])
+    return {"setup_phase_cycles": {f"{a}->{b}": float(np.median(spans[:, i])) for i, (a, b) in enumerate(phases)},
+            "setup_block_cycles": float(np.median(st[:, -1] - st[:, 0]))}
+
+
 def stage_ms(ops, args, reps=20):
     """Each stage of the chunked form alone (gdn_chunk.FUSED_STAGES, then the staged setup's STAGES),
     captured and replayed on buffers a full run filled: median ms per stage."""
@@ -141,6 +160,10 @@ def main():
             row.update(stage_ms(ops, dev))
         except Exception as exc:
             row["chunked_stages"] = f"failed: {exc!r}"
+        try:
+            row.update(setup_cycles(dev))
+        except Exception as exc:
+            row["setup_phase_cycles"] = f"failed: {exc!r}"
         ref = outs.get("recurrent")
         for label, o in outs.items():
             if ref is not None and label != "recurrent":

@@ -32,7 +32,7 @@ CONFIG = {"text_config": {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
 # other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
-WALKS = []          # other walk geometries to time (run U timed (32, 512): 32.67 against 32.29 ms)
+WALKS = []
 # the same graph with one choice changed (CudaOps attributes; "form" is the encoder's), each timed at both
 # lengths with its final rows' error against float64 (so a faster choice shows what it costs)
 VARIANTS = {

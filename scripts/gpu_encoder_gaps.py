@@ -1,9 +1,8 @@
 """Where the 9B encoder's graph leaves the GPU idle: one 1000-token replay (random weights, as
 gpu_encoder_9b.py) under CUPTI, its kernels and copies in time order, the span from the first start to
 the last end, the time covered by some kernel, and the largest idle gaps with the kernels on either side;
-beside the CUDA-event time of the same call. (In run AI the kernels' CUPTI times summed to 26.8 ms where
-the events timed the graph at 29.5; run AJ: one replay's nodes and the rows' DMA span 27.4 ms, 0.34 of
-it idle, where the same call's events said 29.6 for the graph alone, so ~2.5 ms lie outside its nodes.)
+beside the CUDA-event time of the same call (BENCHMARKS.md: at 1000 tokens ~2.5 ms of the events' time
+lie outside the graph's nodes).
 
 Then the bucket's graph captured again with an event node first and last (`marked`): the outer events
 around the launch against the inner ones say whether that time is before the first node (the launch)

@@ -11,7 +11,7 @@
     python3 scripts/gpu_ncu_kernels.py flash chunked       (the kernels: flash|prep, setup|walk)
     python3 scripts/gpu_ncu_kernels.py rows                (the kernels: gdn_inputs|swiglu|rms_norm)
 
-(run as a script, as gpu_run.sh does: it imports its sibling gpu_bench_delta, as gpu_probe_recurrence does)
+(run as a script, as gpu_run.sh does: it imports its sibling gpu_bench_delta)
 """
 
 import sys

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
-#   bash scripts/gpu_run.sh contract bench kernels tests encoder   (GPU_TESTS=path: the tests step runs those only)
+#   bash scripts/gpu_run.sh contract tests encoder delta bench   (GPU_TESTS=path: the tests step runs those only)
 #   NCU_GROUPS="flash chunked" NCU_KERNELS="flash|setup|walk" bash scripts/gpu_run.sh ncu   (scripts/gpu_ncu_kernels.py)
+# Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu),
+# encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
+# torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI).
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -26,15 +29,11 @@ for step in "$@"; do
     bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     tests) $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
-    probe) $limit python3 scripts/gpu_probe_delta.py --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" &&
-           $limit python3 scripts/gpu_probe_delta.py --n 112 --out "$OUT/probe112.json" 2>&1 | tee -a "$OUT/probe.txt" ;;
-    recurrence) $limit python3 scripts/gpu_probe_recurrence.py --out "$OUT/recurrence.json" 2>&1 | tee "$OUT/recurrence.txt" ;;
     ncu) $limit ncu --clock-control none --set full -k regex:"${NCU_KERNELS:-gated_delta_rule|nvjet}" \
            -o "$OUT/kernels" python3 scripts/gpu_ncu_kernels.py ${NCU_GROUPS:-} > "$OUT/ncu_log.txt" 2>&1
          ncu --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
          ncu --import "$OUT/kernels.ncu-rep" --page source --csv --print-source sass -k regex:"${NCU_KERNELS:-gated_delta_rule}" \
            > "$OUT/ncu_source.csv" 2>&1; tail -5 "$OUT/ncu_log.txt" ;;
-    kernels) $limit python3 scripts/gpu_bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     gaps) $limit python3 scripts/gpu_encoder_gaps.py --out "$OUT/gaps.json" 2>&1 | tee "$OUT/gaps.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
