@@ -18,8 +18,8 @@ from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
 from .mma import clock
 
 # (threads per state column, threads per block, tokens per tile, tokens per group, state columns per thread)
-# for the delta rule (fit_geometry adapts it to the key dim). On the H200 groups of 2, 4 and 8 measured 1.2,
-# 1.6 and 2.7 times slower than token by token (BENCHMARKS.md); the simulator pays per thread, so it gets
+# for the delta rule (fit_geometry adapts it to the key dim). On the H200 groups of 2 or more tokens measured
+# slower than token by token (BENCHMARKS.md, the delta rule alone); the simulator pays per thread, so it gets
 # one warp, short tiles, groups of 2 and two columns a thread (so CI runs the group and column algebra).
 GEOMETRY = (2, 32, 4, 2, 2) if SIMULATED else (8, 256, 16, 1, 1)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
@@ -37,7 +37,7 @@ def conv_steps(width):
     @jit(device=True, forceinline=True)
     def load(x, w, ch, t0, taps, window, reverse):
         # unsigned indices: numba wraps negative signed ones, a dozen 64-bit integer instructions a load
-        # (ncu, run AG: half of gdn_inputs' instructions were integer ones). Every load reads a row
+        # (Nsight Compute: half of gdn_inputs' instructions were integer ones; BENCHMARKS.md). Every load reads a row
         # clamped into the prompt and the select zeroes those outside it.
         n = x.shape[0]
         uch = uint64(ch)
@@ -90,10 +90,10 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
     Every thread reads its rows of each token's k and q from shared memory; with `cols` columns a thread
     those reads serve cols columns, so a block's shared-memory traffic per token is 1 / cols of one
     column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic). On the
-    H200 two columns a thread ran within 3 % of one (BENCHMARKS.md, runs Z and AA): that traffic is not
-    what bounds the loop, and the default keeps one. What does is each warp's latency per token (ncu, run
-    AD): its first products waited on the token's k and q loads, so groups go in pairs through two register
-    sets (`advance`), the next group's loads in flight while one runs (token loop 585 -> 426 cycles a token).
+    H200 two columns a thread ran as fast as one (BENCHMARKS.md, the delta rule alone): that traffic is not
+    what bounds the loop, and the default keeps one. What does is each warp's latency per token (Nsight
+    Compute, BENCHMARKS.md): its first products waited on the token's k and q loads, so groups go in pairs
+    through two register sets (`advance`), the next group's loads in flight while one runs.
 
     A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q
     four words at a time, and the parts of one column read neighbouring 16-byte words of a row (no bank

@@ -34,9 +34,9 @@ def _make(control, width, dk, qk_heads):
 
     Indices are unsigned (numba wraps negative signed ones, a dozen 64-bit integer instructions an access),
     a block whose tokens all lie in the prompt stores without per-token checks, and each token's scale
-    1 / |y| is computed once a block (by thread j for token j) rather than by every thread: in run AG (ncu,
-    1000 tokens) the kernel issued 115 instructions a channel-token, half of them integer ones, and was
-    bound by issue (64 % of the SM's issue slots, DRAM at 22 %)."""
+    1 / |y| is computed once a block (by thread j for token j) rather than by every thread: with per-token
+    checks and signed indices Nsight Compute found the kernel bound by issue, half of its instructions
+    integer ones (BENCHMARKS.md, kernel counters)."""
     span, load, output = conv_steps(width)
     warps = max(1, dk // 32)
     shared = dk if SIMULATED else TOKENS * warps     # the simulator's team_sum needs a float per thread

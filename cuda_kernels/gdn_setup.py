@@ -22,7 +22,7 @@ from .mma import clock, copy16, copy_commit, copy_wait, mma_tf32
 
 THREADS = 64 if SIMULATED else 256     # whole warps, at least CHUNK (the scan, the solve's columns)
 STRIP = 2 if SIMULATED else 4          # n tiles of 8 columns per warp item of [U | W]: one A fragment each
-# The phases a timed kernel stamps (the SM's cycle counter, thread 0 of each block; scripts/gpu_probe_delta.py)
+# The phases a timed kernel stamps (the SM's cycle counter, thread 0 of each block; scripts/gpu_bench_delta.py)
 PHASES = ("start", "scan", "staged", "grams", "k_scaled", "diagonal", "block_rows", "v_scaled", "end")
 
 

@@ -27,9 +27,9 @@ def _load_row(team, per, exact=False):
     """The device function every norm starts with: this thread's row (t, h), its lane, whether the row exists,
     its `per` elements into vals (zeros past the end) and its share of the row's sum of squares.
     exact: rows of exactly team x per elements, so no element needs a bounds check (a row past the end
-    reads the last row, its values unused but for its own team's sum). ncu (run AG) counted 45
-    instructions an element in rms_norm at d = 4096, most of them integer: the 64-bit compares of three
-    checks an element."""
+    reads the last row, its values unused but for its own team's sum). With the checks Nsight Compute found
+    rms_norm's instructions mostly integer ones: the 64-bit compares of three checks an element
+    (BENCHMARKS.md, kernel counters)."""
     @jit(device=True, forceinline=True)
     def load_row(x, vals):
         rows = x.shape[0] * x.shape[1]
