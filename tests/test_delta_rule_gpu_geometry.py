@@ -95,8 +95,8 @@ def simulate(script):
 
 @pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=list(SCRIPTS))
 def test_gpu_geometry_passes_its_gate_and_catches_its_control(script):
-    # the gate's and the control's verdicts, then their worst |err| / bound (in the message if it fails: a
-    # ninth-session run failed this once for the chunked form and did not again in 18 reruns)
+    # the gate's and the control's verdicts, then their worst |err| / bound (in the message if it fails: the
+    # chunked form failed this once and did not again in 18 reruns)
     words, printed = simulate(script)
     assert words[:2] == ["True", "False"], printed
 
