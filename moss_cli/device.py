@@ -17,7 +17,10 @@ def gpu_status():
         return False, f"CUDA is not usable ({e})"
 
 
-def resolve(requested, stage, gpu_stages=("encode",)):
+GPU_STAGES = ("encode", "denoise")
+
+
+def resolve(requested, stage, gpu_stages=GPU_STAGES):
     """The device STAGE runs on; auto picks cuda only where the stage has a GPU path."""
     if requested not in DEVICES:
         raise DeviceError(f"--device {requested!r}: choose one of {', '.join(DEVICES)}")

@@ -25,6 +25,9 @@ DEFAULT_SKIP_LAYERS = (22,)
 DEFAULT_SKIP_START = 0.01   # [M] S1 + SGLang cookbook; S2/S3 start at 0.0
 DEFAULT_SKIP_STOP = 1.0
 PATCH = 16                  # image pixels per latent token side
+# the seeds torch.Generator.manual_seed takes: a uint64, or an int64 whose bits it reads as one (so -1 is 2**64-1)
+SEED_MIN = -2**63
+SEED_MAX = 2**64 - 1
 
 
 @dataclass
@@ -51,9 +54,15 @@ class SamplingOptions:
             raise UsageError(f"--guidance {self.guidance}: must be finite and >= 0")
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise UsageError(f"--shift {self.shift}: must be finite and > 0")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise UsageError(f"--seed {self.seed}: out of the range torch.Generator.manual_seed takes "
+                             "(-2**63 to 2**64-1; a negative seed s stands for 2**64 + s)")
         for name in ("skip_start", "skip_stop"):
             if not math.isfinite(getattr(self, name)):
                 raise UsageError(f"--{name.replace('_', '-')}: must be finite")
+        if not 0.0 <= self.skip_start <= self.skip_stop <= 1.0:
+            raise UsageError(f"--skip-start {self.skip_start} --skip-stop {self.skip_stop}: the skip window is a "
+                             "range of step fractions and needs 0 <= start <= stop <= 1")
 
     @property
     def cfg(self):
@@ -109,7 +118,12 @@ class Model:
     def transformer(self):
         from .transformer import MossTransformer
         comp = self.checkpoint.component("transformer")
-        self.progress.note("loading transformer")
+        self.progress.note(f"loading transformer ({self.device})")
+        if self.device == "cuda":
+            from .ops.cuda_denoiser import CudaDenoiser
+            dit = CudaDenoiser(comp.tensors, comp.config)
+            dit.upload()
+            return dit
         return MossTransformer(self.ops, comp.tensors, comp.config)
 
     @cached_property
@@ -122,8 +136,9 @@ class Model:
 
 # --- encode ----------------------------------------------------------------------------------
 
-def encode(model, prompt, negative=DEFAULT_NEGATIVE):
-    """ENC bytes for PROMPT (and NEGATIVE unless it is None)."""
+def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
+    """ENC bytes for PROMPT (and NEGATIVE unless it is None). NEGATIVE_CACHE, a dict the caller keeps between
+    calls, holds the negative's rows by token ids, so several prompts with one negative encode it once."""
     tensors = {}
     for role, text in (("prompt", prompt), ("negative", negative)):
         if text is None:
@@ -133,8 +148,11 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE):
         if truncated:
             model.progress.warn(f"{role} is over the encoder's limit after templating; "
                                 f"kept the first {len(ids)} tokens, as the official pipeline does")
-        model.progress.note(f"encoding {role}: {len(ids)} tokens")
-        rows = np.asarray(encoder(ids), dtype=np.float32)
+        cache = negative_cache if role == "negative" and negative_cache is not None else {}
+        rows = cache.get(tuple(ids))
+        if rows is None:
+            model.progress.note(f"encoding {role}: {len(ids)} tokens")
+            rows = cache[tuple(ids)] = np.array(encoder(ids), dtype=np.float32)   # a copy: the cache keeps it
         tensors[f"{role}_rows"] = rows
         tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)
     meta = {"moss.prompt": prompt, "moss.device": model.device}
@@ -184,9 +202,13 @@ def denoise(model, enc, options, trace=False):
             record[f"latents.{i:03d}"] = np.array(latents_in, dtype=np.float32)
             record[f"velocity.{i:03d}"] = np.array(velocity, dtype=np.float32)
 
-    latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
-                             uncond_skip_layers=options.uncond_skip_layers,
-                             skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step)
+    if model.device == "cuda":     # the trajectory on the GPU, one graph per step (ops.cuda_denoiser)
+        latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
+                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace)
+    else:
+        latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
+                                 uncond_skip_layers=options.uncond_skip_layers,
+                                 skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step)
     meta = dict(options.metadata())
     meta.update({"moss.enc_sha256": enc.sha256, "moss.prompt": enc.metadata.get("moss.prompt", ""),
                  "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",
@@ -200,6 +222,28 @@ def denoise(model, enc, options, trace=False):
 
 PNG_KEYS = ("prompt", "negative", "seed", "steps", "guidance", "shift", "width", "height",
             "uncond_skip_layers", "skip_start", "skip_stop", "noise", "model")
+PNG_NUMBERS = {"seed": int, "steps": int, "width": int, "height": int,
+               "guidance": float, "shift": float, "skip_start": float, "skip_stop": float}
+
+
+def png_parameters(lat):
+    """The PNG's parameters from a LAT's metadata: numbers as JSON numbers, strings as strings; null for a
+    number the LAT does not carry (a foreign LAT), and `input: foreign` when any input had no moss metadata."""
+    params = {}
+    for key in PNG_KEYS:
+        value = lat.metadata.get(f"moss.{key}")
+        if key in PNG_NUMBERS:
+            try:
+                value = PNG_NUMBERS[key](value)
+            except (TypeError, ValueError):
+                value = None
+            if value is not None and not math.isfinite(value):
+                value = None
+        params[key] = "" if value is None and key not in PNG_NUMBERS else value
+    params["moss_cli"] = lat.metadata.get("moss.version", "")
+    if lat.foreign or lat.metadata.get("moss.input") == "foreign":
+        params["input"] = "foreign"
+    return params
 
 
 def decode(model, lat):
@@ -219,6 +263,5 @@ def decode(model, lat):
     decoder = model.decoder
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
     pixels = to_pixels(decoder(x))
-    params = {k: lat.metadata.get(f"moss.{k}", "") for k in PNG_KEYS}
-    params["moss_cli"] = lat.metadata.get("moss.version", "")
+    params = png_parameters(lat)
     return encode_png(pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)})

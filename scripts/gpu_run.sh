@@ -20,12 +20,13 @@ export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 limit="timeout ${STEP_TIMEOUT:-900}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import numpy, numba, numba_cuda, nvmath, cuda.core, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'nvmath', nvmath.__version__, 'cuda.core', cuda.core.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+python3 -c "from cuda_kernels import sdpa; print(sdpa.available())" 2>&1 | tee -a "$OUT/device.txt"
 status=0
 for step in "$@"; do
   echo "== $step" | tee -a "$OUT/steps.txt"
   start=$(date +%s)
   case $step in
-    contract) $limit python3 -m cuda_kernels.contract --size real 2>&1 | tee "$OUT/contract.txt" ;;
+    contract) $limit python3 -m cuda_kernels.contract --size real ${CONTRACT_ARGS:-} 2>&1 | tee "$OUT/contract.txt" ;;
     bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
     tests) $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
@@ -35,6 +36,7 @@ for step in "$@"; do
          ncu --import "$OUT/kernels.ncu-rep" --page source --csv --print-source sass -k regex:"${NCU_KERNELS:-gated_delta_rule}" \
            > "$OUT/ncu_source.csv" 2>&1; tail -5 "$OUT/ncu_log.txt" ;;
     gaps) $limit python3 scripts/gpu_encoder_gaps.py --out "$OUT/gaps.json" 2>&1 | tee "$OUT/gaps.txt" ;;
+    dit) $limit python3 scripts/gpu_dit.py --out "$OUT/dit.json" ${DIT_ARGS:-} 2>&1 | tee "$OUT/dit.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac

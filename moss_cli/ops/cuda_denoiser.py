@@ -14,7 +14,6 @@ from numba import cuda
 
 from cuda_kernels import dit
 
-from ..sampler import guided  # noqa: F401  (the CPU statement the CFG kernel follows)
 from ..schedule import timesteps
 from ..transformer import MossTransformer, check_layers, time_sinusoid
 from .cuda_table import CudaOps, capture, numba_stream
@@ -135,8 +134,10 @@ class CudaDenoiser:
                 queue.synchronize()
                 on_step(i, sigmas[i], latents_in, v)
         stop.record(queue)
+        queued = time.perf_counter()
         out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
         queue.synchronize()
+        # host_s: the loop's own time (copies and graph launches queued; with on_step, its waits too)
         self.timings = {"steps": steps, "gpu_s": cuda.event_elapsed_time(start, stop) / 1e3,
-                        "wall_s": time.perf_counter() - began}
+                        "host_s": queued - began, "wall_s": time.perf_counter() - began}
         return out

@@ -90,6 +90,7 @@ class CudaOps(DitCudaOps):
         self.capturing = False
         self._params = {}
         self._free = defaultdict(list)
+        self.pool_bytes = 0     # device bytes the pool has allocated (activations, workspaces)
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() made: held until the next one, so it
                                 # outlives the kernels queued on it
@@ -129,6 +130,8 @@ class CudaOps(DitCudaOps):
             return cuda.device_array(shape, dtype)
         nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
         free = self._free[nbytes]
+        if not free:
+            self.pool_bytes += nbytes
         base = free.pop() if free else cuda.device_array(nbytes, np.uint8)
         lease = DeviceView(base, shape, None, np.dtype(dtype).str)   # lent out: its death returns base
         weakref.finalize(lease, free.append, base)

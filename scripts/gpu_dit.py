@@ -1,0 +1,320 @@
+"""The 5B MOSS DiT on the GPU at the real size, random weights made on the GPU: accuracy and speed.
+
+Accuracy: one CFG step's guided velocity at 1024x1024 with a 300-token context (both prompts), relative L2
+error against a float64 statement of the same step (torch, on the GPU), for ours and for the baseline.
+Speed: ms per denoising step with CFG (both passes, block 22 skipped on the negative one) at 512, 1024 and
+2048, ours (graph replays) vs the baseline vs the floor (the step's FLOPs at the bf16 product rate measured
+in this run); host time per step; attention alone vs torch's SDPA backends; memory.
+
+The baseline is a torch eager statement of the official bf16 chain written here (every op in bf16 as
+denoiser.md's rounding contract says, F.scaled_dot_product_attention with torch's default backend choice);
+the same statement in float64 is the reference. It is checked against moss_cli's float64 numpy graph on the
+tiny checkpoint first (printed), so it is the model and not a copy of our kernels.
+
+    python scripts/gpu_dit.py --out dit.json
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numba import cuda
+
+from cuda_kernels import sdpa
+from cuda_kernels.core import DeviceView
+from cuda_kernels.layout import random_bf16
+from moss_cli.ops.cuda_denoiser import CudaDenoiser
+from moss_cli.schedule import sigmas as schedule_sigmas, timesteps
+from moss_cli.transformer import DEFAULTS, expected_tensors
+
+TEXT = 300
+SKIP = (22,)
+
+
+# --- the torch statement (baseline in bf16, reference in float64) ------------------------------
+class TorchDit:
+    def __init__(self, weights, cfg, dtype):
+        self.w, self.cfg, self.dtype = weights, cfg, dtype
+        self.D, self.H = cfg["dim"], cfg["num_heads"]
+        self.hd = self.D // self.H
+
+    def p(self, name):
+        return self.w[name].to(self.dtype)
+
+    def lin(self, x, n, bias=True):
+        y = x @ self.p(n + ".weight").T
+        return y + self.p(n + ".bias") if bias else y
+
+    def rms(self, x, n):
+        # the official chain: normalise in float32, round to the dtype, then the weight
+        xf = x.float() if self.dtype != torch.float64 else x
+        r = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
+        return r * self.p(n)
+
+    @staticmethod
+    def situ(h, g):
+        return (4.0 * torch.tanh(g / 4) * torch.sigmoid(g)) * (25.0 * torch.tanh(h / 25))
+
+    def rope_tables(self, pos):
+        nb = self.hd // 8
+        bands = 1 / self.cfg["rope_base"] ** (torch.arange(nb, dtype=torch.float32, device=pos.device) / nb)
+        if self.dtype == torch.float64:
+            ang = (pos.double()[:, :, None] * bands.double()).flatten(1)
+        else:
+            ang = (pos.float()[:, :, None] * bands).flatten(1)
+        return ang.cos().to(self.dtype)[:, None, :], ang.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def rope(x, cs):
+        c, s = cs
+        a, b = x.chunk(2, -1)
+        return torch.cat([a * c - b * s, b * c + a * s], -1)
+
+    def heads(self, x):
+        return x.reshape(x.shape[0], self.H, self.hd)
+
+    def attn(self, q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        return o[0].transpose(0, 1).reshape(-1, self.D)
+
+    def positions(self, h, w, n, device):
+        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        img = torch.zeros(h * w, 4, dtype=torch.float64, device=device)
+        img[:, 1] = n
+        img[:, 2] = ys.flatten() - (h - 1) / 2
+        img[:, 3] = xs.flatten() - (w - 1) / 2
+        txt = torch.zeros(n, 4, dtype=torch.float64, device=device)
+        txt[:, 1] = torch.arange(n, device=device)
+        return torch.cat([img, txt]).float()
+
+    def text(self, rows):
+        n = rows.shape[0]
+        cs = self.rope_tables(self.positions(0, 0, n, rows.device))
+        x = self.lin(rows.to(self.dtype), "text_embedder.proj")
+        for b in range(2):
+            p = f"text_embedder.blocks.{b}."
+            q, k, v = self.lin(self.rms(x, p + "norm1.weight"), p + "qkv").chunk(3, -1)
+            q = self.rope(self.rms(self.heads(q), p + "q_norm.weight"), cs)
+            k = self.rope(self.rms(self.heads(k), p + "k_norm.weight"), cs)
+            x = x + self.lin(self.attn(q, k, self.heads(v)), p + "proj")
+            y = self.rms(x, p + "norm2.weight")
+            x = x + self.lin(self.situ(self.lin(y, p + "ffn_up"), self.lin(y, p + "ffn_gate")), p + "ffn_down")
+        return x
+
+    def conditioning(self, t, device):
+        half = self.cfg["freq_dim"] // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64, device=device) / half)
+        e = torch.cat([torch.cos(float(np.float32(t)) * freqs), torch.sin(float(np.float32(t)) * freqs)])[None]
+        time_ = self.lin(F.silu(self.lin(e.float().to(self.dtype), "time_embedding.0")), "time_embedding.2")
+        return (self.lin(time_, "shared_block_modulation").reshape(6, self.D),
+                self.lin(time_, "video_head_modulation").reshape(2, self.D))
+
+    def velocity(self, latents, mod, head, text, skip=()):
+        _, C, h, w = latents.shape
+        cs = self.rope_tables(self.positions(h, w, text.shape[0], latents.device))
+        x = torch.cat([self.lin(latents.flatten(2)[0].T.to(self.dtype), "video_embedder"), text])
+        for i in range(self.cfg["num_layers"]):
+            if i in skip:
+                continue
+            p = f"layers.{i}."
+            y = self.rms(x, p + "norm1.weight") * (1 + mod[1]) + mod[0]
+            q = self.rope(self.rms(self.heads(self.lin(y, p + "proj.q", False)), p + "q_norm.weight"), cs)
+            k = self.rope(self.rms(self.heads(self.lin(y, p + "proj.k", False)), p + "k_norm.weight"), cs)
+            v = self.heads(self.lin(y, p + "proj.v", False))
+            x = x + self.lin(self.attn(q, k, v), p + "proj.o", False) * mod[2]
+            y = self.rms(x, p + "norm2.weight") * (1 + mod[4]) + mod[3]
+            up, gate = self.lin(y, p + "proj.ffn_up_gate", False).chunk(2, -1)
+            x = x + self.lin(self.situ(up, gate), p + "proj.ffn_down", False) * mod[5]
+        z = self.rms(x[: h * w], "final_norm_video.weight") * (1 + head[1]) + head[0]
+        return self.lin(z, "final_linear_video", False).T.reshape(1, C, h, w).float()
+
+    def step(self, latents, t, dt, cond, uncond, guidance, skip):
+        """One CFG step as the official pipeline: v = u + g (c - u) in float32, x + dt v."""
+        mod, head = self.conditioning(t, latents.device)
+        c = self.velocity(latents, mod, head, cond)
+        u = self.velocity(latents, mod, head, uncond, skip)
+        v = u + guidance * (c - u) if self.dtype != torch.float64 else u.double() + guidance * (c.double() - u.double())
+        return latents + dt * v, v
+
+
+def check_statement(out):
+    """The torch statement in float64 against moss_cli's float64 numpy graph, on the tiny checkpoint."""
+    from moss_cli.checkpoint import open_checkpoint
+    from moss_cli.ops import numpy_ops
+    from moss_cli.transformer import MossTransformer
+    comp = open_checkpoint().component("transformer")
+    weights = {k: torch.as_tensor(np.asarray(comp.tensors[k], dtype=np.float64)) for k in expected_tensors(comp.config)}
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((9, 32)).astype(np.float32)
+    lat = rng.standard_normal((1, 128, 4, 6)).astype(np.float32)
+    ours = MossTransformer(numpy_ops(np.float64), comp.tensors, comp.config)
+    want = ours.velocity(lat, 700.0, ours.prepare_text(rows), SKIP)
+    st = TorchDit(weights, {**DEFAULTS, **comp.config}, torch.float64)
+    mod, head = st.conditioning(700.0, "cpu")
+    got = st.velocity(torch.as_tensor(lat, dtype=torch.float64), mod, head, st.text(torch.as_tensor(rows)), SKIP)
+    err = float(np.linalg.norm(got.double().numpy() - want) / np.linalg.norm(want))
+    out["statement_vs_moss_cli_float64"] = err
+    print(f"torch statement vs moss_cli float64 numpy graph (tiny checkpoint): relative error {err:.3g}")
+    assert err < 1e-10
+
+
+# --- weights --------------------------------------------------------------------------------
+def make_weights(cfg, seed=0):
+    """Numba device arrays: 2-D bf16 bits N(0, 0.02) made on the GPU; 1-D float32 of realistic scale."""
+    rng = np.random.default_rng(seed)
+    ours, theirs = {}, {}
+    for i, (name, shape) in enumerate(expected_tensors(cfg).items()):
+        if len(shape) == 2:
+            arr = cuda.device_array(shape, np.uint16)
+            random_bf16(arr.reshape(arr.size), seed * 100003 + i, 0.02)
+            ours[name] = arr
+            theirs[name] = torch.as_tensor(arr.view(np.int16), device="cuda").view(torch.bfloat16)
+        else:
+            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
+                    or "norm_video" in name:
+                v = 1 + 0.1 * rng.standard_normal(shape)
+            else:
+                v = 0.02 * rng.standard_normal(shape)
+            v = torch.as_tensor(v, dtype=torch.float32).to(torch.bfloat16)       # the checkpoint's bf16
+            ours[name] = v.float().numpy()
+            theirs[name] = v.cuda()
+    cuda.synchronize()
+    return ours, theirs
+
+
+def timed(fn, reps, warm=2):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def product_rate():
+    m, k, n = 4396, 3072, 16384
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b.T, 20)
+    return 2 * m * k * n / (ms * 1e-3) / 1e12
+
+
+def step_flops(cfg, tokens, text, layers_run):
+    d, f = cfg["dim"], cfg["ffn_dim"]
+    n = tokens + text
+    per_block = 2 * n * (4 * d * d + 3 * d * f) + 4 * n * n * d
+    return per_block * layers_run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per size (ours)")
+    args = ap.parse_args()
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "text_tokens": TEXT}
+    check_statement(out)
+    cfg = dict(DEFAULTS)
+    torch.manual_seed(0)
+    free0, _ = cuda.current_context().get_memory_info()
+    ours_w, theirs_w = make_weights(cfg)
+    dit = CudaDenoiser(ours_w, cfg)
+    t0 = time.perf_counter()
+    dit.upload()
+    out["upload_s"] = time.perf_counter() - t0
+    rows = [torch.randn(TEXT, cfg["text_dim"], device="cuda") for _ in range(2)]
+    cond, uncond = (dit.prepare_text(r.cpu().numpy()) for r in rows)
+    print("weights made and uploaded", flush=True)
+
+    # accuracy: one CFG step at 1024x1024 (step 0 of a 50-step schedule: the negative pass runs every block)
+    h = w = 1024 // 16
+    noise = torch.randn(1, 128, h, w, device="cuda")
+    sig = schedule_sigmas(50, shift=5.0)
+    t, dt = float(timesteps(sig)[0]), float(np.float32(sig[1]) - np.float32(sig[0]))
+    got = []
+    dit.sample(noise.cpu().numpy(), sig[:2], cond, uncond, 3.0, SKIP, 0.01, 1.0,
+               on_step=lambda i, s, x, v: got.append(v), arrays=True)
+    v_ours = torch.as_tensor(got[0], device="cuda", dtype=torch.float64)
+    with torch.no_grad():
+        ref = TorchDit(theirs_w, cfg, torch.float64)
+        _, v_ref = ref.step(noise.double(), t, dt, ref.text(rows[0].double()), ref.text(rows[1].double()), 3.0, ())
+        base = TorchDit(theirs_w, cfg, torch.bfloat16)
+        tb = (base.text(rows[0]), base.text(rows[1]))
+        _, v_base = base.step(noise, t, dt, tb[0], tb[1], 3.0, ())
+    del ref
+    rel = lambda a: float(torch.linalg.norm(a.double() - v_ref) / torch.linalg.norm(v_ref))
+    out["accuracy_1024"] = {"ours_rel_l2": rel(v_ours), "torch_bf16_rel_l2": rel(v_base)}
+    print(f"velocity of one CFG step at 1024x1024 vs float64: ours {rel(v_ours):.3g}, torch bf16 eager {rel(v_base):.3g}",
+          flush=True)
+    torch.cuda.empty_cache()
+
+    rate = product_rate()
+    out["bf16_product_tflops"] = rate
+    out["sizes"] = {}
+    for size in args.sizes:
+        h = w = size // 16
+        noise = np.random.default_rng(size).standard_normal((1, 128, h, w)).astype(np.float32)
+        sig = schedule_sigmas(args.steps + 1, shift=5.0)
+        dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.01, 1.0)      # captures both kinds
+        dit.sample(noise, sig, cond, uncond, 3.0, SKIP, 0.01, 1.0)
+        tm = dict(dit.timings)
+        ours_ms = tm["gpu_s"] / tm["steps"] * 1e3
+        x = torch.as_tensor(noise, device="cuda")
+        with torch.no_grad():
+            base_ms = timed(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 3, warm=1)
+        flops = step_flops(cfg, h * w, TEXT, 2 * cfg["num_layers"] - len(SKIP))
+        floor_ms = flops / (rate * 1e12) * 1e3
+        row = {"ours_ms": ours_ms, "host_ms_per_step": tm["host_s"] / tm["steps"] * 1e3, "torch_bf16_ms": base_ms,
+               "floor_ms": floor_ms, "ratio": base_ms / ours_ms, "step_tflop": flops / 1e12}
+        out["sizes"][str(size)] = row
+        print(f"{size}x{size}: ours {ours_ms:.1f} ms/step (host {row['host_ms_per_step']:.2f}), torch bf16 eager "
+              f"{base_ms:.1f}, floor {floor_ms:.1f}, ratio {row['ratio']:.2f}x", flush=True)
+        if size == 1024:
+            free1, _ = cuda.current_context().get_memory_info()
+            ours_bytes = sum(a.nbytes for a in dit.ops._params.values() if hasattr(a, "nbytes")) + \
+                sum(s.weight.nbytes for s in dit.ops._params.values() if hasattr(s, "sizes"))
+            out["memory_1024"] = {"ours_weights_GB": ours_bytes / 1e9, "ours_pool_GB": dit.ops.pool_bytes / 1e9,
+                                  "device_used_delta_GB": (free0 - free1) / 1e9,
+                                  "torch_peak_allocated_GB": torch.cuda.max_memory_allocated() / 1e9}
+            print("memory at 1024:", out["memory_1024"], flush=True)
+
+    # attention alone at N = 4096 + 300
+    n, H, D = 4096 + TEXT, cfg["num_heads"], cfg["dim"] // cfg["num_heads"]
+    qkv = torch.randn(n, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(n, H, D, device="cuda", dtype=torch.bfloat16)
+    def as_nb(t_):
+        bits = t_.view(torch.int16)
+        return cuda.as_cuda_array(DeviceView(bits, bits.shape, [2 * s_ for s_ in bits.stride()], "<u2"))
+    qn, kn, vn, on = as_nb(qkv[:, 0]), as_nb(qkv[:, 1]), as_nb(qkv[:, 2]), as_nb(o)
+    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    ours_att = timed(lambda: [sdpa.attention(qn, kn, vn, on, D ** -0.5, stream=stream) for _ in range(10)], 5) / 10
+    q, k, v = (qkv[:, i].transpose(0, 1)[None] for i in range(3))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {}
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                backends[name] = timed(lambda: [F.scaled_dot_product_attention(q, k, v) for _ in range(10)], 5) / 10
+        except RuntimeError as e:
+            backends[name] = f"unavailable: {e}"[:120]
+    best = min(t_ for t_ in backends.values() if isinstance(t_, float))
+    out["attention_4396"] = {"ours_cudnn_frontend_ms": ours_att, "torch": backends, "ratio_vs_best_torch": best / ours_att}
+    print(f"attention N={n}: ours {ours_att:.3f} ms, torch {backends}", flush=True)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
