@@ -32,15 +32,15 @@ from .numpy_gdn import GdnOps
 # token-serial delta rule its time), of 64 up to 2048, of 256 up to MAX_TOKENS. One graph per bucket.
 MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
-# by token (gdn). On the H200 at the 9B shapes (run Q, the fused setup) the token recurrence is faster at
-# 112 tokens (0.050 against 0.059 ms a layer), the chunked form at 256 (0.076 against 0.103): they cross
-# near 150 tokens.
+# by token (gdn). On the H200 at the 9B shapes the token recurrence is the faster at 112 tokens and the
+# chunked form at 1024 (BENCHMARKS.md, the delta rule alone); measured at 256 tokens too, they cross near
+# 150 tokens.
 CHUNK_FROM = 160
 # Prompt length up to which `prefetch` reads the next product's weight into L2 beside the kernels before
 # that product (there the products are bound by reading their weights), and the largest weight it reads
 # (the H200's L2 holds 50 MB; a [4096, 4096] bf16 weight is 33.5 MB).
-# Measured on the H200 (run W, prefetch up to 256 tokens): the 100-token encode took 6.51 ms with it and 6.38
-# without (the touch kernel ran 16 us beside the delta rule; the product it fed gained 1.5 us). Off (0).
+# Measured on the H200 with prefetch up to 256 tokens, the 100-token encode was slower with it than without
+# (the touch kernel ran beside the delta rule and slowed the product it fed). Off (0).
 PREFETCH_UNTIL = 0
 PREFETCH_MAX_BYTES = 36 << 20
 
@@ -100,23 +100,19 @@ class CudaOps(DitCudaOps):
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group[, cols]); gdn.GEOMETRY when None
         # "flash" (flash.py: a bf16 pre-pass, then bf16 tensor cores with cp.async double buffering, no
-        # scores buffer) or "products" (TF32 cuBLAS + a softmax kernel). Run S (H200): whole encode 32.4 ms
-        # with flash against 33.3 with the products at 1000 tokens, 6.6 against 7.1 at 100
+        # scores buffer) or "products" (TF32 cuBLAS + a softmax kernel). Flash measured the faster whole
+        # encode on the H200 at 100 and at 1000 tokens
         self.attention_form = "flash"
         self._last_cast = None
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
-        # up) may write bf16 rather than float32, as transformers' bf16 does. Run Q (H200, swiglu's element
-        # kernel then): the gate/up product gained 0.18 ms per 1000-token encode, swiglu reading bf16 lost
-        # 0.59. swiglu now reads 8-byte words (4 bf16 at a time): on. Runs V-Y: about 0.1 ms faster at 100
-        # tokens, within noise at 1000; final rows' error 4.67e-2 against 4.25e-2 (transformers' bf16: 8.47e-2)
+        # up) may write bf16 rather than float32, as transformers' bf16 does. With swiglu reading 8-byte
+        # words (4 bf16 at a time) that is no slower at 100 or 1000 tokens, and the final rows' error stays
+        # about half of transformers' bf16 (BENCHMARKS.md, encoder variants): on
         self.narrow_products = True
         self.fuse_norm_rope = True     # q/k norm and rope in one kernel (norms.rms_norm_rope) where rows fit
         self.packed_swiglu = True      # swiglu on 8-byte words where rows allow (elementwise._words)
-        # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit. Off until run Z: in run X
-        # the fused kernel took 1.27 ms per 1000-token encode against 1.13 for the three it replaces and the
-        # delta rule read its contiguous v slower. Since the recurrence's loads stopped selecting on loaded
-        # values (run AA) the fused form was the faster whole encode in runs AA, AC and AE, by 0.09-0.15 ms
-        # at 100 and 0.07-0.15 ms at 1000 tokens (BENCHMARKS.md): on
+        # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit: the whole encode on the H200
+        # is no slower than with the three kernels it replaces (BENCHMARKS.md, encoder variants): on
         self.fuse_gdn_inputs = True
         self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
         self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
@@ -589,8 +585,8 @@ class CudaEncoder:
         """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape,
         best one from `host_rows`, which the caller keeps). The copy of the prompt's rows is queued on the
         graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
-        time (run T: 3.0 ms of a 32.5 ms 1000-token encode was the copy through a pinned buffer into an
-        array of the host's own)."""
+        time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA;
+        BENCHMARKS.md)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if not self.graphs or on_layer is not None:
             return self.model(ids, on_layer=on_layer)
@@ -639,8 +635,8 @@ class CudaEncoder:
 
 class _Bucket:
     """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned ids array its
-    first node reads, and what each encode reuses: the stream as numba sees it, three events (run Z: the
-    ids' upload through numba took 0.23 ms of host time per encode before the graph could start)."""
+    first node reads, and what each encode reuses: the stream as numba sees it, three events (an upload of
+    the ids through numba cost host time before the graph could start)."""
 
     def __init__(self, graph, stream, rows_buffer, ids):
         self.graph, self.stream, self.rows_buffer, self.ids = graph, stream, rows_buffer, ids
