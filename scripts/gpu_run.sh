@@ -4,7 +4,8 @@
 #   NCU_GROUPS="flash chunked" NCU_KERNELS="flash|setup|walk" bash scripts/gpu_run.sh ncu   (scripts/gpu_ncu_kernels.py)
 # Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu),
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
-# torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI).
+# torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
+# dit (the DiT at real size: accuracy against float64 and speed).
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
