@@ -19,6 +19,16 @@ from .safetensors_io import SafetensorsError, dumps, loads
 
 FORMAT = "1"
 STAGES = {"encode": "ENC", "denoise": "LAT", "trace": "TRACE"}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# foreign stage files (no moss metadata): the tensors a file must hold to stand in for a stage's artifact
+FOREIGN_TENSORS = {"encode": ("prompt_rows", "prompt_ids"), "denoise": ("latents",)}
+WIDENED = ("float16", "bfloat16")   # float dtypes a foreign file may use: widened to float32 exactly
+
+
+def kind(stage):
+    """'an ENC', 'a LAT', 'a TRACE'."""
+    name = STAGES.get(stage, stage)
+    return ("an " if name[:1].upper() in "AEIOU" else "a ") + name
 
 
 @dataclass
@@ -27,6 +37,7 @@ class Artifact:
     metadata: dict
     sha256: str
     source: str
+    foreign: bool = False   # a safetensors file without moss metadata: its model could not be checked
 
     def meta(self, key):
         try:
@@ -64,15 +75,18 @@ def read_bytes(path):
 
 def parse(data, source, stage, fingerprint=None):
     """Check stage, format and model of an artifact's bytes and return it."""
+    if data[:len(PNG_SIGNATURE)] == PNG_SIGNATURE:
+        raise ArtifactError(f"{source}: is a PNG picture, not {kind(stage)} file (a safetensors artifact)")
     try:
         tensors, metadata = loads(data)
     except SafetensorsError as e:
         raise ArtifactError(f"{source}: not a valid {STAGES[stage]} file ({e})") from None
     found = metadata.get("moss.stage")
     if found is None:
-        raise ArtifactError(f"{source}: not a moss-cli artifact (no moss.stage metadata)")
+        tensors = _foreign_tensors(tensors, source, stage)
+        return Artifact(tensors, dict(metadata), hashlib.sha256(data).hexdigest(), source, foreign=True)
     if found != stage:
-        raise ArtifactError(f"{source}: is a {STAGES.get(found, found)} file, expected {STAGES[stage]}")
+        raise ArtifactError(f"{source}: is {kind(found)} file, expected {STAGES[stage]}")
     if metadata.get("moss.format") != FORMAT:
         raise ArtifactError(f"{source}: artifact format {metadata.get('moss.format')!r} is not {FORMAT!r}")
     if fingerprint is not None and metadata.get("moss.model") != fingerprint:
@@ -82,20 +96,80 @@ def parse(data, source, stage, fingerprint=None):
     return Artifact(dict(tensors), metadata, hashlib.sha256(data).hexdigest(), source)
 
 
+def _describe(array):
+    return f"{array.dtype}{list(array.shape)}"
+
+
+def _float32(array, source, name, expected):
+    if array.dtype == np.float32:
+        return array
+    if array.dtype.name in WIDENED:
+        return array.astype(np.float32)
+    raise ArtifactError(f"{source}: {name} is {_describe(array)}, expected {expected} "
+                        f"({' or '.join(WIDENED)} are widened to float32)")
+
+
+def _foreign_tensors(tensors, source, stage):
+    """The stage's tensors of a safetensors file without moss metadata, checked for names, dtypes and shapes
+    (the model-dependent sizes, text_dim and latent channels, are checked by the stage that uses them)."""
+    wanted = FOREIGN_TENSORS.get(stage, ())
+    missing = [name for name in wanted if name not in tensors]
+    if not wanted or missing:
+        found = ", ".join(sorted(tensors)) or "none"
+        raise ArtifactError(f"{source}: not a moss-cli artifact (no moss.stage metadata) and not usable as "
+                            f"{kind(stage)} file: no {', '.join(missing) or 'known'} tensor (it holds: {found})")
+    out = {}
+    if stage == "encode":
+        for role in ("prompt", "negative"):
+            rows, ids = tensors.get(f"{role}_rows"), tensors.get(f"{role}_ids")
+            if rows is None and ids is None:
+                continue
+            if rows is None or ids is None:
+                have, lacks = (f"{role}_rows", f"{role}_ids") if ids is None else (f"{role}_ids", f"{role}_rows")
+                raise ArtifactError(f"{source}: has {have} but no {lacks}")
+            expected = "float32[L, text_dim]"
+            if rows.ndim != 2 or rows.shape[0] < 1:
+                raise ArtifactError(f"{source}: {role}_rows is {_describe(rows)}, expected {expected}")
+            rows = _float32(rows, source, f"{role}_rows", expected)
+            if ids.dtype != np.int32 or ids.shape != (rows.shape[0],):
+                raise ArtifactError(f"{source}: {role}_ids is {_describe(ids)}, expected int32[{rows.shape[0]}] "
+                                    f"(one id per row of {role}_rows)")
+            out[f"{role}_rows"], out[f"{role}_ids"] = rows, ids
+    else:
+        x = tensors["latents"]
+        expected = "float32[1, channels, h, w]"
+        if x.ndim != 4 or x.shape[0] != 1 or min(x.shape) < 1:
+            raise ArtifactError(f"{source}: latents are {_describe(x)}, expected {expected}")
+        out["latents"] = _float32(x, source, "latents", expected)
+    return out
+
+
+def mark_foreign_input(data):
+    """An artifact's bytes with `moss.input=foreign` added: it was made from a file without moss metadata."""
+    tensors, metadata = loads(data)
+    return dumps({k: np.ascontiguousarray(v) for k, v in tensors.items()}, {**metadata, "moss.input": "foreign"})
+
+
 def read(path, stage, fingerprint=None):
     data, source = read_bytes(path)
     return parse(data, source, stage, fingerprint)
 
 
-def check_writable(path):
-    """Fail before any compute when PATH cannot be written (its folder is missing or read-only)."""
+def check_writable(path, suffix=None):
+    """Fail before any compute when PATH cannot be written (its folder is missing or read-only, it names a
+    folder, or it lacks SUFFIX, e.g. '.png')."""
     if str(path) == "-":
         if sys.stdout.isatty():
             raise UsageError("stdout is a terminal; redirect it or pipe it into the next command")
         return
+    if str(path).endswith(("/", os.sep)):
+        raise UsageError(f"{path}: ends in {str(path)[-1]!r}, so it names a folder; give a file name")
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"{path}: is a directory; give a file name")
+    if suffix and p.suffix.lower() != suffix:
+        raise UsageError(f"{path}: the file written is {suffix[1:].upper()}; give a name ending in {suffix} "
+                         "(or - for stdout)")
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir():
         raise UsageError(f"{path}: folder {folder} does not exist")
@@ -106,12 +180,21 @@ def check_writable(path):
 def write(path, data):
     """Write DATA to PATH through a temporary name and a rename, or to stdout for '-'."""
     if str(path) == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        except OSError as e:
+            _drop_stdout()   # else Python's flush at exit fails again, with a second message
+            if isinstance(e, BrokenPipeError):
+                raise
+            raise UsageError(f"stdout: cannot write ({e.strerror or e})") from None
         return
     p = Path(path)
     check_writable(p)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=p.parent if str(p.parent) else ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=p.parent if str(p.parent) else ".")
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -123,3 +206,13 @@ def write(path, data):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _drop_stdout():
+    """Point stdout at /dev/null, dropping what is still buffered for it."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

@@ -47,6 +47,30 @@ def _open(model_dir, device, stage, progress):
     return stages.Model(checkpoint, device=chosen, progress=progress)
 
 
+def _given(name):
+    """Whether option NAME was given (on the command line or through the environment), not defaulted."""
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP)
+
+
+def _wrote(progress, path, what, extra=""):
+    """The run's last line: where its result went (stderr, unless --quiet)."""
+    progress.note((f"wrote {what} to stdout" if str(path) == "-" else f"wrote {what} {path}") + extra)
+
+
+def _make_folder(path, option):
+    """mkdir -p PATH, or one line saying why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot create the folder ({e.strerror or e})") from None
+
+
+def _foreign(progress, artifact):
+    if artifact.foreign:
+        progress.warn(f"{artifact.source} has no moss-cli metadata: used as is, its model could not be checked")
+
+
 def _skip_layers(text):
     text = text.strip()
     if not text:
@@ -78,16 +102,24 @@ version_option = click.version_option(__version__, message="%(prog)s (moss-cli) 
 
 def sampling_options(f):
     for opt in reversed([
-        click.option("--seed", type=int, required=True, help="Seed of torch's CPU generator."),
+        click.option("--seed", type=int, required=True,
+                     help="Seed of torch's CPU generator, as torch.Generator.manual_seed takes it (-2**63 "
+                          "to 2**64-1; a negative s means 2**64 + s). The initial noise is "
+                          "torch.randn([1, channels, height/16, width/16]) from that generator, float32: torch's CPU "
+                          "randn re-implemented bit for bit (see --noise), so a seed gives torch's noise."),
         click.option("--steps", type=int, default=None, help="Denoising steps [checkpoint's or 50]."),
-        click.option("--guidance", type=float, default=None, help="CFG scale; 1 = no negative pass [3.0]."),
-        click.option("--width", type=int, default=None, help="Pixels, a multiple of 16 [1024]."),
-        click.option("--height", type=int, default=None, help="Pixels, a multiple of 16 [1024]."),
+        click.option("--guidance", type=float, default=None,
+                     help="CFG scale; 1 = no negative pass [checkpoint's or 3.0]."),
+        click.option("--width", type=int, default=None, help="Pixels, a multiple of 16 [checkpoint's or 1024]."),
+        click.option("--height", type=int, default=None, help="Pixels, a multiple of 16 [checkpoint's or 1024]."),
         click.option("--shift", type=float, default=None, help="Schedule shift [scheduler_config.json]."),
         click.option("--uncond-skip-layers", "skip_layers", default="22", show_default=True,
                      help="Blocks skipped on the negative pass, comma-separated; '' for none."),
-        click.option("--skip-start", type=float, default=stages.DEFAULT_SKIP_START, show_default=True),
-        click.option("--skip-stop", type=float, default=stages.DEFAULT_SKIP_STOP, show_default=True),
+        click.option("--skip-start", type=float, default=stages.DEFAULT_SKIP_START, show_default=True,
+                     help="The negative pass skips the --uncond-skip-layers blocks on the steps i with "
+                          "start <= i/steps < stop (0 <= start <= stop <= 1; 0 = from the first step)."),
+        click.option("--skip-stop", type=float, default=stages.DEFAULT_SKIP_STOP, show_default=True,
+                     help="End of that window, a fraction of the steps (1 = through the last step)."),
         click.option("--noise", type=click.Choice(["avx2", "generic"]), default="avx2", show_default=True,
                      help="torch CPU randn kernel to reproduce (avx2 = official x86 wheels)."),
     ]):
@@ -106,9 +138,12 @@ def sampling_options(f):
 @version_option
 def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
     progress = Progress(quiet, "moss-encode")
+    if no_negative and _given("negative"):
+        raise UsageError("--negative and --no-negative conflict: give one of them")
     artifacts.check_writable(out)
     model = _open(model_dir, device, "encode", progress)
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
+    _wrote(progress, out, "ENC")
 
 
 @click.command(help="Denoise from seeded noise to the final latents (LAT) for an ENC file.")
@@ -129,10 +164,15 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     model = _open(model_dir, device, "denoise", progress)
     opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
+    progress.start_clock()
+    _foreign(progress, enc_artifact)
     lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
+    if enc_artifact.foreign:
+        lat, traced = artifacts.mark_foreign_input(lat), traced and artifacts.mark_foreign_input(traced)
     if trace:
         artifacts.write(trace, traced)
     artifacts.write(out, lat)
+    _wrote(progress, out, "LAT")
 
 
 @click.command(help="Decode a LAT file to an RGB PNG.")
@@ -144,10 +184,12 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @version_option
 def _decode(model_dir, lat, device, out, quiet):
     progress = Progress(quiet, "moss-decode")
-    artifacts.check_writable(out)
+    artifacts.check_writable(out, suffix=".png")
     model = _open(model_dir, device, "decode", progress)
     lat_artifact = artifacts.read(lat, "denoise", model.fingerprint)
+    _foreign(progress, lat_artifact)
     artifacts.write(out, stages.decode(model, lat_artifact))
+    _wrote(progress, out, "PNG")
 
 
 @click.command(help="Prompt to picture in one process: encode, denoise, decode.")
@@ -157,16 +199,17 @@ def _decode(model_dir, lat, device, out, quiet):
 @sampling_options
 @click.option("--picture", required=True, help="PNG file, or - for stdout.")
 @click.option("--keep", type=click.Path(path_type=Path), default=None,
-              help="Folder to keep the intermediate ENC and LAT files in (prompt.enc, latents.lat).")
+              help="Folder to keep the intermediate ENC and LAT files in (prompt.enc, latents.lat), each "
+                   "written as soon as its stage ends; created if missing.")
 @device_option
 @quiet_option
 @version_option
 def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, shift, skip_layers, skip_start,
            skip_stop, noise, picture, keep, device, quiet):
     progress = Progress(quiet, "moss-image")
-    artifacts.check_writable(picture)
-    if keep is not None and not keep.is_dir():
-        raise UsageError(f"--keep {keep}: not a folder")
+    artifacts.check_writable(picture, suffix=".png")
+    if keep is not None and keep.exists() and not keep.is_dir():
+        raise UsageError(f"--keep {keep}: exists and is not a folder")
     from .checkpoint import open_checkpoint
     checkpoint = open_checkpoint(model_dir)
     models = {}
@@ -177,18 +220,27 @@ def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, sh
             models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress)
         return models[chosen]
 
-    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]})")
+    chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+    on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
+          else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
+    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
     opts = _sampling(model_for("denoise"), seed, steps, guidance, width, height, shift, skip_layers,
                      skip_start, skip_stop, noise)
+    if not opts.cfg and _given("negative"):
+        progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
+    if keep is not None:
+        _make_folder(keep, "--keep")
     enc_bytes = stages.encode(model_for("encode"), prompt, negative if opts.cfg else None)
+    if keep is not None:   # each stage's file as soon as it exists, so an interrupted run keeps it
+        artifacts.write(keep / "prompt.enc", enc_bytes)
     enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", checkpoint.fingerprint)
     lat_bytes, _ = stages.denoise(model_for("denoise"), enc, opts)
+    if keep is not None:
+        artifacts.write(keep / "latents.lat", lat_bytes)
     lat = artifacts.parse(lat_bytes, "latents", "denoise", checkpoint.fingerprint)
     png = stages.decode(model_for("decode"), lat)
-    if keep is not None:
-        artifacts.write(keep / "prompt.enc", enc_bytes)
-        artifacts.write(keep / "latents.lat", lat_bytes)
     artifacts.write(picture, png)
+    _wrote(progress, picture, "PNG", "" if keep is None else f" (ENC and LAT kept in {keep})")
 
 
 def encode_command():

@@ -3,6 +3,7 @@
 import time
 
 from rich.console import Console
+from rich.text import Text
 
 
 class Progress:
@@ -13,12 +14,17 @@ class Progress:
         self._t0 = time.perf_counter()
 
     def note(self, message):
+        """MESSAGE is printed literally: paths and prompts may hold rich markup or :emoji: codes."""
         if not self.quiet:
-            self.console.print(f"[dim]{self.prog}:[/dim] {message}", markup=True)
+            self.console.print(Text.assemble((f"{self.prog}:", "dim"), " ", str(message)))
 
     def warn(self, message):
         """Warnings show even with --quiet."""
-        self.console.print(f"{self.prog}: warning: {message}", markup=False, style="yellow")
+        self.console.print(Text(f"{self.prog}: warning: {message}", style="yellow"))
+
+    def start_clock(self):
+        """Step times count from here (e.g. once the input is read, not while waiting on stdin)."""
+        self._t0 = time.perf_counter()
 
     def step(self, index, total, sigma, sigma_next):
         if not self.quiet:
