@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__, artifacts, stages
+from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
 from .errors import MossError, UsageError
 from .progress import Progress
@@ -100,9 +100,10 @@ quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr
 version_option = click.version_option(__version__, message="%(prog)s (moss-cli) %(version)s")
 
 
-def sampling_options(f):
+def sampling_options(f, seed=None):
+    """The sampling options; SEED replaces the --seed option (moss-image's takes several seeds)."""
     for opt in reversed([
-        click.option("--seed", type=int, required=True,
+        seed or click.option("--seed", type=int, required=True,
                      help="Seed of torch's CPU generator, as torch.Generator.manual_seed takes it (-2**63 "
                           "to 2**64-1; a negative s means 2**64 + s). The initial noise is "
                           "torch.randn([1, channels, height/16, width/16]) from that generator, float32: torch's CPU "
@@ -192,22 +193,24 @@ def _decode(model_dir, lat, device, out, quiet):
     _wrote(progress, out, "PNG")
 
 
-@click.command(help="Prompt to picture in one process: encode, denoise, decode.")
+@click.command(help="Prompt to picture in one process: encode, denoise, decode. Several seeds and/or a prompt "
+                    "file make one picture each (weights loaded once, each prompt encoded once), each equal to "
+                    "the single run's.")
 @model_option
-@click.option("--prompt", required=True)
+@click.option("--prompt", default=None, help="The prompt (or --prompt-file).")
+@click.option("--prompt-file", default=None, metavar="FILE", help=batch.PROMPT_FILE_HELP)
 @click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
-@sampling_options
-@click.option("--picture", required=True, help="PNG file, or - for stdout.")
-@click.option("--keep", type=click.Path(path_type=Path), default=None,
-              help="Folder to keep the intermediate ENC and LAT files in (prompt.enc, latents.lat), each "
-                   "written as soon as its stage ends; created if missing.")
+@(lambda f: sampling_options(f, seed=click.option("--seed", multiple=True, required=True, metavar="SEEDS",
+                                                  help=batch.SEED_HELP)))
+@click.option("--picture", required=True, help=batch.PICTURE_HELP)
+@click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
 @device_option
 @quiet_option
 @version_option
-def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, shift, skip_layers, skip_start,
-           skip_stop, noise, picture, keep, device, quiet):
+def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
+           skip_start, skip_stop, noise, picture, keep, device, quiet):
     progress = Progress(quiet, "moss-image")
-    artifacts.check_writable(picture, suffix=".png")
+    pictures = batch.plan(prompt, prompt_file, seed, picture, keep)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     from .checkpoint import open_checkpoint
@@ -224,23 +227,15 @@ def _image(model_dir, prompt, negative, seed, steps, guidance, width, height, sh
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
-    opts = _sampling(model_for("denoise"), seed, steps, guidance, width, height, shift, skip_layers,
-                     skip_start, skip_stop, noise)
+    opts = _sampling(model_for("denoise"), pictures[0].seed, steps, guidance, width, height, shift,
+                     skip_layers, skip_start, skip_stop, noise)
     if not opts.cfg and _given("negative"):
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:
         _make_folder(keep, "--keep")
-    enc_bytes = stages.encode(model_for("encode"), prompt, negative if opts.cfg else None)
-    if keep is not None:   # each stage's file as soon as it exists, so an interrupted run keeps it
-        artifacts.write(keep / "prompt.enc", enc_bytes)
-    enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", checkpoint.fingerprint)
-    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, opts)
-    if keep is not None:
-        artifacts.write(keep / "latents.lat", lat_bytes)
-    lat = artifacts.parse(lat_bytes, "latents", "denoise", checkpoint.fingerprint)
-    png = stages.decode(model_for("decode"), lat)
-    artifacts.write(picture, png)
-    _wrote(progress, picture, "PNG", "" if keep is None else f" (ENC and LAT kept in {keep})")
+    # each stage's file kept as soon as it exists, so an interrupted run keeps it
+    for done, extra in batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress):
+        _wrote(progress, done.path, "PNG", extra)
 
 
 def encode_command():

@@ -1,0 +1,176 @@
+"""moss-image with several seeds and prompts: each picture equals its single run byte for byte; the seed
+syntax, the picture name patterns and the prompt file fail before any work with one line; progress on stderr."""
+
+import io
+import os
+import re
+
+import pytest
+
+from cli_util import BIN, error_lines, run
+from moss_cli import batch
+from moss_cli.errors import UsageError
+from moss_cli.progress import Progress
+
+FAST = ["--width", "64", "--height", "48", "--steps", "3"]
+
+
+def _single_error(r):
+    assert r.code == 1, r.stderr
+    errors = error_lines(r)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    return errors[0]
+
+
+def test_four_seeds_in_one_call_equal_four_single_calls(tmp_path):
+    multi, keep = tmp_path / "multi", tmp_path / "keep"
+    multi.mkdir()
+    r = run("moss-image", "--prompt", "a red fox", "--seed", "7,11-12", "--seed", "-3", *FAST,
+            "--picture", multi / "fox-{seed}.png", "--keep", keep)
+    assert r.code == 0, r.stderr
+    assert r.stdout == b""
+    assert r.stderr.count("encoding prompt") == 1 and r.stderr.count("encoding negative") == 1
+    assert r.stderr.count("loading transformer") == 1 and "picture 4/4" in r.stderr
+    assert sorted(p.name for p in multi.iterdir()) == ["fox--3.png", "fox-11.png", "fox-12.png", "fox-7.png"]
+    assert sorted(p.name for p in keep.iterdir()) == ["latents-1--3.lat", "latents-1-11.lat", "latents-1-12.lat",
+                                                      "latents-1-7.lat", "prompt-1.enc"]
+    for seed in (7, 11, 12, -3):
+        single = tmp_path / f"single{seed}"
+        single.mkdir()
+        assert run("moss-image", "--prompt", "a red fox", "--seed", seed, *FAST, "--picture", single / "p.png",
+                   "--keep", single, "--quiet").code == 0
+        assert (multi / f"fox-{seed}.png").read_bytes() == (single / "p.png").read_bytes()
+        assert (keep / f"latents-1-{seed}.lat").read_bytes() == (single / "latents.lat").read_bytes()
+        assert (keep / "prompt-1.enc").read_bytes() == (single / "prompt.enc").read_bytes()
+
+
+def test_prompts_from_a_file_equal_single_calls(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("a red fox\r\n\n   \nune forêt [bold]la nuit[/bold]\n".encode())
+    r = run("moss-image", "--prompt-file", prompts, "--seed", "5", *FAST,
+            "--picture", tmp_path / "p{index}-line{line}-{seed:03d}.png", "--quiet")
+    assert r.code == 0 and r.stderr == "", r.stderr
+    made = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert made == ["p1-line1-005.png", "p2-line4-005.png"]
+    for name, prompt in (("p1-line1-005.png", "a red fox"), ("p2-line4-005.png", "une forêt [bold]la nuit[/bold]")):
+        single = tmp_path / "single.png"
+        assert run("moss-image", "--prompt", prompt, "--seed", "5", *FAST, "--picture", single, "--quiet").code == 0
+        assert (tmp_path / name).read_bytes() == single.read_bytes()
+
+
+@pytest.mark.parametrize("values,seeds", [
+    (["42"], [42]),
+    (["1,2,3"], [1, 2, 3]),
+    (["10-13"], [10, 11, 12, 13]),
+    (["3", "1, 2"], [3, 1, 2]),
+    (["-5"], [-5]),
+    (["-2-1", "7-7"], [-2, -1, 0, 1, 7]),
+    ([str(2**64 - 1)], [2**64 - 1]),
+    ([str(-2**63)], [-2**63]),
+])
+def test_seed_syntax(values, seeds):
+    assert batch.parse_seeds(values) == seeds
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("1-x", "give a seed"),
+    ("1,,2", "give a seed"),
+    ("", "give a seed"),
+    ("1.5", "give a seed"),
+    ("5-3", "range is empty"),
+    ("2,1-3", "2 is given twice"),
+    (str(2**64), "out of the range"),
+    (f"0-{2**64}", "out of the range"),
+    (f"1-{batch.MAX_PICTURES + 1}", f"more than {batch.MAX_PICTURES}"),
+])
+def test_bad_seeds_are_one_line(value, needle):
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        batch.parse_seeds([value])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--seed", "1-x"], "give a seed (42), a list (1,2,3) or a range (10-13)"),
+    (["--seed", "4-2"], "range is empty"),
+    (["--seed", "1,2", "--picture", "{out}/same.png"], "need a placeholder"),
+    (["--seed", "1,2", "--picture", "{out}/p{index}.png"], "seed 1 and seed 2 would both be"),
+    (["--seed", "1,2", "--picture", "{out}/p{prompt}.png"], "unknown placeholder {prompt}"),
+    (["--seed", "1,2", "--picture", "{out}/p{seed.png"], "literal braces"),
+    (["--seed", "1,2", "--picture", "-"], "stdout takes one picture"),
+    (["--prompt-file", "{out}/none.txt"], "no such file"),
+    (["--prompt-file", "{out}/blank.txt"], "no prompts"),
+    (["--prompt-file", "{out}/twice.txt", "--picture", "{out}/p{seed}.png"],
+     "prompt 1, seed 1 and prompt 2, line 3, seed 1 would both be"),
+    (["--prompt-file", "{out}/twice.txt", "--prompt", "p"], "give one of them"),
+])
+def test_bad_batches_fail_before_any_work(tmp_path, args, needle):
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    (tmp_path / "twice.txt").write_text("one\n\ntwo\n")
+    args = [a.replace("{out}", str(tmp_path)) for a in args]
+    if "--picture" not in args:
+        args += ["--picture", f"{tmp_path}/p-{{index}}-{{seed}}.png"]
+    if "--seed" not in args:
+        args += ["--seed", "1"]
+    if "--prompt-file" not in args and "--prompt" not in args:
+        args += ["--prompt", "p"]
+    r = run("moss-image", *FAST, *args)
+    assert needle in _single_error(r)
+    assert "loading" not in r.stderr and "moss-image: model" not in r.stderr      # no work began
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*"))
+
+
+def test_plain_progress_lines_carry_step_sigma_elapsed_and_eta(tmp_path):
+    r = run("moss-image", "--prompt", "p", "--seed", "1,2", *FAST, "--picture", tmp_path / "p{seed}.png")
+    assert r.code == 0, r.stderr
+    assert "\x1b" not in r.stderr                                # not a terminal: no cursor moves, no colour
+    steps = [line for line in r.stderr.splitlines() if " step " in line]
+    pattern = (r"moss-image: picture [12]/2 \(seed [12]\): "
+               r"step \d/3  sigma \d\.\d{4} -> \d\.\d{4}  elapsed \S+s  ETA \S+s")
+    assert steps and all(re.fullmatch(pattern, line) for line in steps), steps
+    assert sum("step 3/3" in line for line in steps) == 2      # the last step of each picture always prints
+
+
+def test_quiet_prints_nothing(tmp_path):
+    r = run("moss-image", "--prompt", "p", "--seed", "1-2", *FAST, "--picture", tmp_path / "p{seed}.png", "--quiet")
+    assert r.code == 0 and r.stderr == "" and r.stdout == b""
+    assert len(list(tmp_path.glob("p*.png"))) == 2
+
+
+def test_progress_on_a_terminal_is_one_bar_line_redrawn(tmp_path):
+    import pty
+    import subprocess
+    primary, secondary = pty.openpty()
+    p = subprocess.Popen([str(BIN / "moss-image"), "--prompt", "p", "--seed", "3", *FAST, "--picture",
+                          str(tmp_path / "p.png")], stderr=secondary, stdout=subprocess.DEVNULL,
+                         env=dict(os.environ, COLUMNS="100", TERM="xterm"))
+    os.close(secondary)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:      # the pty closes when the process ends
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(primary)
+    assert p.wait(timeout=120) == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.decode())           # colours off, cursor moves kept
+    bars = [line for line in text.split("\r\n") if " step " in line]
+    assert len(bars) == 3
+    assert all(line.startswith("\x1b[1A\x1b[2K") for line in bars[1:])   # each step redraws the line above
+    assert re.search(r"━+ step 3/3 sigma 0\.0000 elapsed \S+s ETA \S+s$", bars[-1]), bars[-1]
+
+
+def test_progress_eta_counts_the_steps_after_the_first():
+    progress = Progress(False, "moss")
+    progress.console.file = io.StringIO()
+    progress.console.width = 200
+    progress._t0 -= 100.0                    # the first step also carried 100 s of setup
+    progress.step(0, 4, 1.0, 0.75)
+    progress._t0 -= 10.0                     # then one step took 10 s
+    progress._first_step -= 10.0
+    progress._last_line -= 10.0
+    progress.step(1, 4, 0.75, 0.5)
+    lines = progress.console.file.getvalue().splitlines()
+    assert re.search(r"step 1/4  sigma 1\.0000 -> 0\.7500  elapsed 1m40s  ETA 5m0\ds$", lines[0]), lines
+    assert re.search(r"step 2/4  sigma 0\.7500 -> 0\.5000  elapsed 1m50s  ETA 20\.\ds$", lines[1]), lines
