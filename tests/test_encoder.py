@@ -311,3 +311,25 @@ def test_gated_rms_norm_matches_transformers():
     ops = numpy_ops(np.float32)
     ours = ops.gated_rms_norm(ops.array(x), ops.array(z), ops.array(w), 1e-6)
     assert rel(ours, ref) <= 1e-6
+
+
+# --- the tiny GPU encoder test's gate (tests/gpu/test_cuda_encoder_tiny.py), checked on the CPU --------------
+
+
+@pytest.mark.parametrize("length", (5, 70))
+def test_bf16_gate_catches_rope_removal_on_the_cpu(length, monkeypatch):
+    """The GPU test's gate is 2x the error of a CPU statement of the GPU's bf16 roundings
+    (tests/encoder_bf16.py): it must sit above that statement's error and below what RoPE removal does,
+    at every length the GPU test uses, L = 5 included (the former 0.118 gate passed RoPE removal there)."""
+    import encoder_bf16
+    from moss_cli import encoder
+    from moss_cli.checkpoint import open_checkpoint
+    component = open_checkpoint().component("text_encoder")
+    ids = np.random.default_rng(length).integers(0, 500, length)
+    ref = encoder_bf16.float64_rows(component, ids)
+    gate, stated = encoder_bf16.gate(component, ids, ref)
+    assert 2.0 ** -8 < stated < gate
+    monkeypatch.setattr(encoder, "rope_tables", encoder_bf16.without_rope)
+    assert encoder_bf16.relative(encoder_bf16.float64_rows(component, ids), ref) > gate
+    emulated = Qwen35Encoder(encoder_bf16.Bf16Roundings(), component.tensors, component.config)(ids)
+    assert encoder_bf16.relative(emulated, ref) > gate
