@@ -132,7 +132,7 @@ def _fields(pattern):
     return fields
 
 
-def plan(prompt, prompt_file, seed_values, pattern, keep):
+def plan(prompt, prompt_file, seed_values, pattern):
     """The pictures of a run, every name checked before any work: distinct, writable, with a placeholder
     when there are several."""
     seeds = parse_seeds(seed_values)

@@ -210,7 +210,7 @@ def _decode(model_dir, lat, device, out, quiet):
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
            skip_start, skip_stop, noise, picture, keep, device, quiet):
     progress = Progress(quiet, "moss-image")
-    pictures = batch.plan(prompt, prompt_file, seed, picture, keep)
+    pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     from .checkpoint import open_checkpoint
