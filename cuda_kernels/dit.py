@@ -178,23 +178,24 @@ def _situ(control):
     @jit
     def situ(hidden, gate, out):
         rows, cols = out.shape
-        start, stride = cuda.grid(1), cuda.gridsize(1)
-        for n in range(start, rows * cols, stride):
-            r, c = uint64(n // cols), uint64(n % cols)
-            g = widen(gate[r, c])
-            h = widen(hidden[r, c])
-            a = float32(4.0) * math.tanh(g * float32(0.25))
-            if not control:
-                a = a * _sigmoid(g)
-            out[r, c] = narrow(a * (float32(25.0) * math.tanh(h * float32(0.04))))
+        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):      # a block per row: no index division
+            ro = uint64(r)
+            for c in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
+                co = uint64(c)
+                g = widen(gate[ro, co])
+                h = widen(hidden[ro, co])
+                a = float32(4.0) * math.tanh(g * float32(0.25))
+                if not control:
+                    a = a * _sigmoid(g)
+                out[ro, co] = narrow(a * (float32(25.0) * math.tanh(h * float32(0.04))))
     return situ
 
 
 def situ(hidden, gate, out, stream=0, control=False):
     """out = (4 tanh(g / 4) sigmoid(g)) (25 tanh(h / 25)), bf16 bits in (any strides) and out [L, F].
     Control: the sigmoid factor left out."""
-    grid, block = _grid(out.size)
-    _situ(control)[grid, block, stream](hidden, gate, out)
+    rows = out.shape[0]
+    _situ(control)[max(1, min(rows, 2 if SIMULATED else 16384)), BLOCK, stream](hidden, gate, out)
 
 
 def situ_reference(h, g):

@@ -234,7 +234,9 @@ class Blas:
         _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
         if bias:
             _set(lt.matmul_desc_set_attribute, desc, A.EPILOGUE, int(lt.Epilogue.BIAS), np.uint32)
-            _set(lt.matmul_desc_set_attribute, desc, A.BIAS_DATA_TYPE, R_32F, np.int32)
+            # a bf16 output takes a bf16 bias (cuBLASLt refuses a float32 one there)
+            _set(lt.matmul_desc_set_attribute, desc, A.BIAS_DATA_TYPE, R_32F if out_type == R_32F else R_16BF,
+                 np.int32)
         a_layout = lt.matrix_layout_create(R_16BF, k, n, k)    # the weight, [N, K] row-major
         b_layout = lt.matrix_layout_create(R_16BF, k, m, k)    # the activations, [M, K] row-major
         c_layout = lt.matrix_layout_create(out_type, n, m, n)
@@ -333,7 +335,8 @@ class Blas:
 
     def linear(self, x, w, out, bias=None, accumulate=False, residual=None, stream=0):
         """out[M, N] (+)= x[M, K] @ w[N, K]^T (+ bias[N]) (+ residual[M, N], the beta = 1 epilogue reading
-        another array); x, w bf16 bits; out (and residual) float32 or bf16 bits, contiguous."""
+        another array); x, w bf16 bits; out (and residual) float32 or bf16 bits, contiguous; the bias of
+        out's type (float32, or bf16 bits)."""
         m, k = x.shape
         n = w.shape[0]
         out_type = R_32F if out.dtype == np.float32 else R_16BF

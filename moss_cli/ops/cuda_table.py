@@ -24,6 +24,7 @@ from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bit
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, text_config
+from .cuda_conv import ConvCudaOps
 from .cuda_dit import DitCudaOps
 from .numpy_gdn import GdnOps
 
@@ -79,7 +80,7 @@ def _strides(shape):
     return tuple(reversed(out))
 
 
-class CudaOps(DitCudaOps):
+class CudaOps(DitCudaOps, ConvCudaOps):
     """Same methods as NumpyOps (float32 compute), on one stream; see the module docstring."""
 
     name = "cuda"
@@ -373,10 +374,22 @@ class CudaOps(DitCudaOps):
         bits = narrow and self.narrow_products and residual is None
         out = self.new((rows, w.shape[0]), np.uint16 if bits else np.float32)
         res = None if residual is None else residual.reshape(rows, w.shape[0])
+        if bits and b is not None:
+            b = self._bias_bits(b)
         if self._pending:
             self.join_prefetches(w)
         blas().linear(xb, w, out, bias=b, residual=res, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
+
+    def _bias_bits(self, b):
+        """A float32 bias as bf16 bits (a bf16 product output's epilogue reads those), made once."""
+        key = ("bias bits", id(b))
+        out = self._params.get(key)
+        if out is None:
+            out = self.new(b.shape, np.uint16)
+            elementwise.cast_bf16(b.reshape(b.size), out.reshape(out.size), stream=self.stream)
+            self._params[key] = out = (out, b)
+        return out[0]
 
     def prefetch(self, w, rows):
         """The next product reads w: for a prompt of at most prefetch_until rows, read w into L2 now on a
