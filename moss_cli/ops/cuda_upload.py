@@ -1,0 +1,199 @@
+"""Host weights to the GPU through pinned staging buffers on a dedicated stream.
+
+A memory-mapped tensor is not pinned, so the driver would copy it through its own small staging buffer,
+synchronously. Here every array goes through a few fixed pinned buffers (STAGING_BYTES each, BUFFERS of
+them): its bytes are copied from the host array (the memory map) into the current buffer by a few
+threads (numpy releases the GIL, so page-cache reads and page faults run in parallel), then one
+cuMemcpyHtoDAsync moves that piece to the device on the uploader's stream while the next piece is copied
+into the next buffer. A buffer is refilled only after the event recorded behind its last copy has fired.
+Small arrays are packed one after another into the same buffer (one async copy each), so a thousand norm
+weights cost a thousand small copies, not a thousand buffer round trips. The bytes are never converted:
+bf16 stays bf16 bits (uint16), float32 stays float32.
+
+Order: the uploader's stream is a blocking stream (numba's cuda.stream()), so work queued later on the
+legacy default stream (stream 0, where CudaOps runs eagerly) waits for the copies already queued; any other
+stream must call `finish()` (or `wait(stream)`) before reading an uploaded array. `to_device` returns as
+soon as the host array's bytes are in a staging buffer: the host array may go away then.
+
+    up = uploader()                      # the process-wide one (pinned buffers made on first use)
+    dev = up.to_device(host)             # a new device array with host's shape and dtype
+    up.to_device(host, out=dev_slice)    # into an existing contiguous device array of the same bytes
+    up.finish()                          # every queued copy done; returns the stats
+"""
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from numba import config, cuda
+
+STAGING_BYTES = 128 << 20   # one pinned staging buffer
+BUFFERS = 3                 # staging buffers in rotation
+THREADS = min(8, os.cpu_count() or 1)   # host copy threads per piece
+PIECE_BYTES = 4 << 20       # the smallest host copy handed to a thread
+SIMULATED = bool(config.ENABLE_CUDASIM)
+ALIGN = 256                 # each packed array starts at a multiple of this in its staging buffer
+
+
+class Uploader:
+    """host arrays -> numba device arrays through `buffers` pinned buffers of `staging_bytes` each."""
+
+    def __init__(self, staging_bytes=STAGING_BYTES, buffers=BUFFERS, threads=THREADS):
+        if buffers < 2:
+            raise ValueError("the uploader needs at least two staging buffers to overlap copies")
+        self.staging_bytes = -(-int(staging_bytes) // ALIGN) * ALIGN
+        self.buffers = int(buffers)
+        self.threads = max(1, int(threads))
+        self._staging = None        # [pinned uint8 arrays], made on first use
+        self._events = None         # per buffer: the event recorded behind its last copy, or None
+        self._stream = None
+        self._pool = None
+        self._current = 0           # the buffer being filled
+        self._cursor = 0            # bytes of it used since it was last recycled
+        self.reset_stats()
+
+    # --- the API -------------------------------------------------------------------------------
+    def to_device(self, host, out=None, wait=False):
+        """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits).
+
+        `out`: a C-contiguous device array of the same number of bytes to copy into (a row slice of a
+        stacked weight, say); returned. `wait`: return only after the copy has finished (`finish`).
+        """
+        host = np.asarray(host)
+        if host.dtype.name == "bfloat16":
+            host = host.view(np.uint16)
+        if not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host)
+        if out is None:
+            out = cuda.device_array(host.shape, host.dtype)
+        elif out.size * out.dtype.itemsize != host.nbytes or not out.is_c_contiguous():
+            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
+                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
+        if host.nbytes:
+            self._start()
+            src = host.reshape(-1).view(np.uint8)
+            dst = out.reshape(out.size).view(np.uint8)
+            self._send(src, dst)
+            self.arrays += 1
+        if wait:
+            self.finish()
+        return out
+
+    def wait(self, stream):
+        """Make `stream` (a numba stream) wait for every copy queued so far, without blocking the host."""
+        if self._stream is not None:
+            done = _event()
+            done.record(self._stream)
+            done.wait(stream)
+
+    def finish(self):
+        """Block until every queued copy is on the device; the stats so far (see `stats`)."""
+        if self._stream is not None:
+            start = time.perf_counter()
+            self._stream.synchronize()
+            self.wait_s += time.perf_counter() - start
+            self._events = [None] * self.buffers      # every buffer is free again
+        if self.began is not None:
+            self.seconds = time.perf_counter() - self.began
+        return self.stats()
+
+    def stats(self):
+        """bytes and arrays sent, seconds from the first array to the last `finish`, bytes per second,
+        and where the host's time went (host_s: copies into staging; wait_s: waiting for the device)."""
+        return {"bytes": self.bytes, "arrays": self.arrays, "copies": self.copies, "seconds": self.seconds,
+                "bytes_per_s": self.bytes / self.seconds if self.seconds else None,
+                "host_s": self.host_s, "wait_s": self.wait_s,
+                "staging_bytes": self.staging_bytes, "buffers": self.buffers, "threads": self.threads}
+
+    def reset_stats(self):
+        self.bytes = self.arrays = self.copies = 0
+        self.host_s = self.wait_s = 0.0
+        self.seconds = 0.0
+        self.began = None
+
+    def close(self):
+        """Finish, then free the pinned buffers, the stream and the threads (made again on next use)."""
+        self.finish()
+        if self._pool is not None:
+            self._pool.shutdown()
+        self._staging = self._events = self._stream = self._pool = None
+        self._current = self._cursor = 0
+
+    # --- the pipeline --------------------------------------------------------------------------
+    def _start(self):
+        if self.began is None:
+            self.began = time.perf_counter()
+        if self._staging is None:
+            self._stream = cuda.stream()
+            self._staging = [cuda.pinned_array(self.staging_bytes, np.uint8) for _ in range(self.buffers)]
+            self._events = [None] * self.buffers
+            self._free = [_event() for _ in range(self.buffers)]
+            if self.threads > 1:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="upload")
+
+    def _send(self, src, dst):
+        """src (host uint8) -> dst (device uint8 view) in pieces that fit the staging buffers."""
+        total, pos = src.size, 0
+        while pos < total:
+            room = self.staging_bytes - self._cursor
+            if room <= 0:
+                self._rotate()
+                continue
+            take = min(room, total - pos)
+            begin = self._cursor
+            stage = self._staging[self._current][begin:begin + take]
+            self._fill(stage, src[pos:pos + take])
+            self._copy(dst[pos:pos + take], stage)
+            self._cursor = begin + -(-take // ALIGN) * ALIGN
+            pos += take
+            self.bytes += take
+
+    def _fill(self, stage, src):
+        """Host copy src -> stage (pinned), split over the threads when it is large."""
+        start = time.perf_counter()
+        n = src.size
+        parts = min(self.threads, n // PIECE_BYTES) if self._pool is not None else 1
+        if parts <= 1:
+            np.copyto(stage, src)
+        else:
+            bounds = [n * i // parts for i in range(parts + 1)]
+            list(self._pool.map(lambda i: np.copyto(stage[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                                range(parts)))
+        self.host_s += time.perf_counter() - start
+
+    def _copy(self, dst, stage):
+        """Queue the device copy of a filled staging range on the uploader's stream."""
+        dst.copy_to_device(stage, stream=self._stream)
+        self.copies += 1
+
+    def _rotate(self):
+        """Close the current buffer (an event behind its copies) and move to the next one, waiting until the
+        copies that last read it have finished."""
+        event = self._free[self._current]
+        event.record(self._stream)
+        self._events[self._current] = event
+        self._current = (self._current + 1) % self.buffers
+        self._cursor = 0
+        pending = self._events[self._current]
+        if pending is not None:
+            start = time.perf_counter()
+            pending.synchronize()
+            self.wait_s += time.perf_counter() - start
+            self._events[self._current] = None
+
+
+def _event():
+    """An event without timing (cheaper to record); the simulator's events take no arguments."""
+    return cuda.event() if SIMULATED else cuda.event(timing=False)
+
+
+_SHARED = None
+
+
+def uploader():
+    """The process-wide Uploader (CudaOps.param and params send weights through it)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = Uploader()
+    return _SHARED
