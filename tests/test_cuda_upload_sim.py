@@ -154,6 +154,7 @@ assert np.array_equal(ops.param(stored, "f3").copy_to_host(), stored["f3"])
 st = ops.params(stored, ["q", "w2", "k"])
 want = np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16), to_bf16_bits(stored["k"])])
 assert st.sizes == (70, 40, 9) and np.array_equal(st.weight.copy_to_host(), want)
+assert cuda_upload._SHARED.stats()["arrays"] == 7, "CudaOps did not upload through the shared uploader"
 print("ok cuda ops")
 print("all uploads equal")
 '''

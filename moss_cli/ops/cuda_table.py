@@ -153,13 +153,14 @@ class CudaOps(DitCudaOps, ConvCudaOps):
             if out.dtype != np.uint16 and out.dtype != np.float32:
                 raise TypeError(f"{name}: device tensors must be uint16 (bf16 bits) or float32, not {out.dtype}")
         else:
+            from .cuda_upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
             host = np.asarray(value)
             if host.ndim == 2:
                 bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
-                out = cuda.to_device(np.ascontiguousarray(bits))
+                out = uploader().to_device(bits, wait=self.capturing)
             else:
                 wide = from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host
-                out = cuda.to_device(np.ascontiguousarray(wide, dtype=np.float32))
+                out = uploader().to_device(np.asarray(wide, dtype=np.float32), wait=self.capturing)
         self._params[key] = out
         return out
 
@@ -175,7 +176,12 @@ class CudaOps(DitCudaOps, ConvCudaOps):
         if all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
             host = [np.asarray(v) for v in values]
             bits = [h.view(np.uint16) if _is_bf16(h.dtype) else to_bf16_bits(h) for h in host]
-            weight = cuda.to_device(np.ascontiguousarray(np.concatenate(bits, axis=0)))
+            from .cuda_upload import uploader    # each part straight into its rows, no host concatenation
+            weight = cuda.device_array((sum(sizes), bits[0].shape[1]), np.uint16)
+            row = 0
+            for part in bits:
+                uploader().to_device(part, out=weight[row:row + part.shape[0]], wait=self.capturing)
+                row += part.shape[0]
         else:
             weight = cuda.device_array((sum(sizes), values[0].shape[1]), np.uint16)
             row = 0
