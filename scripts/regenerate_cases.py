@@ -5,7 +5,8 @@ Needs torch, transformers and diffusers (pip install -e '.[test]'); never import
 
 Tiny demo checkpoint (default): for each case in cases/<name>/case.json it writes
   prompt.enc     prompt/negative ids from transformers' AutoTokenizer + apply_chat_template, rows from
-                 transformers' Qwen3_5TextModel in float32 (last_hidden_state)
+                 transformers' Qwen3_5TextModel in float64 (last_hidden_state; `.double()` with its float32
+                 casts made float64, scripts/reference/transformers64.py), stored as float32
   trace.trace    noise from torch.randn on a CPU generator, sigmas from a torch.linspace statement of the
                  MOSS schedule, and per step the latents and guided velocity of a float64 torch statement
                  of the DiT (scripts/reference/dit.py) with CFG and the block-22 skip
@@ -44,6 +45,7 @@ CASES = ROOT / "cases"
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from reference import dit as ref_dit          # noqa: E402
+from reference import transformers64           # noqa: E402
 from reference.fingerprint import fingerprint  # noqa: E402
 from reference.safetensors_write import dumps  # noqa: E402
 from reference.schedule import sigmas as ref_sigmas  # noqa: E402
@@ -71,10 +73,10 @@ def chat_ids(tokenizer, prompt, max_length=4096):
 def text_model(model_dir):
     from transformers import Qwen3_5TextConfig, Qwen3_5TextModel
     cfg = json.loads((model_dir / "text_encoder" / "config.json").read_text())
-    model = Qwen3_5TextModel(Qwen3_5TextConfig(**cfg.get("text_config", cfg))).float().eval()
+    model = Qwen3_5TextModel(Qwen3_5TextConfig(**cfg.get("text_config", cfg))).double().eval()
     stored = load_file(str(model_dir / "text_encoder" / "model.safetensors"))
     prefix = "model.language_model."
-    state = {k[len(prefix):]: v.float() for k, v in stored.items() if k.startswith(prefix)}
+    state = {k[len(prefix):]: v.double() for k, v in stored.items() if k.startswith(prefix)}
     model.load_state_dict(state, strict=True)
     return model
 
@@ -86,8 +88,7 @@ def encode(model_dir, prompt, negative):
     tensors = {}
     for role, text in (("prompt", prompt), ("negative", negative)):
         ids = chat_ids(tokenizer, text)
-        with torch.no_grad():
-            rows = model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        rows = transformers64.rows(model, ids)
         tensors[f"{role}_rows"] = rows.float().numpy()
         tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)
     return tensors

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from moss_cli.errors import UsageError
+from planted import time_sinusoid_float32
 from reference.dit import spec_velocity
 from moss_cli.ops import numpy_ops
 from moss_cli.transformer import (MossTransformer, expected_tensors, positions, rope_tables,
@@ -131,14 +132,6 @@ def test_four_heads_agree_with_kohakumoss(monkeypatch):
     ref = kohaku_velocity(tensors, config, latents, 24.0, rows, frozenset(), monkeypatch)
     for dtype in (np.float64, np.float32):
         assert rel(ours(tensors, latents, rows, dtype, config=config, t=24.0), ref) <= KOHAKU_GATE
-
-
-def time_sinusoid_float32(timestep, freq_dim):
-    """The planted sinusoid: frequencies and phase in float32 (kohakumoss' own form), widened after."""
-    half = freq_dim // 2
-    freqs = np.exp(-np.float32(math.log(10000.0)) * np.arange(half, dtype=np.float32) / np.float32(half))
-    phase = np.float32(timestep) * freqs
-    return np.concatenate([np.cos(phase), np.sin(phase)])[None, :].astype(np.float64)
 
 
 PLANTED = {"norm_eps_x10": ("EPS", 1e-5), "time_sinusoid_float32": ("time_sinusoid", time_sinusoid_float32)}
