@@ -1,7 +1,8 @@
-"""Our PNG bytes as Pillow reads them; determinism; damaged files."""
+"""Our PNG bytes (written by Pillow) as Pillow reads them; determinism across processes; damaged files."""
 
 import io
-import zlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -28,11 +29,15 @@ def test_pillow_reads_our_pixels_and_text():
     assert image.text == TEXT
 
 
-def test_rows_use_all_three_filters():
-    data = encode_png(PIXELS, {})
-    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
-    scan = zlib.decompress(idat)
-    assert {scan[y * (1 + 41 * 3)] for y in range(27)} == {0, 1, 2}
+def test_bytes_are_the_same_in_another_process():
+    """No timestamp and fixed filters and zlib level: a second process writes the same bytes."""
+    code = ("import sys, numpy as np; from moss_cli.png import encode_png; "
+            "rng = np.random.default_rng(5); p = rng.integers(0, 256, (9, 41, 3), dtype=np.uint8); "
+            "sys.stdout.buffer.write(encode_png(p, {'parameters': '{\"seed\": 42}', 'zh': '\u4e00'}))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout for _ in range(2)]
+    here = encode_png(np.random.default_rng(5).integers(0, 256, (9, 41, 3), dtype=np.uint8),
+                      {"zh": "\u4e00", "parameters": '{"seed": 42}'})
+    assert runs[0] == runs[1] == here
 
 
 def test_encoding_is_deterministic_and_decodes_back():
