@@ -258,7 +258,8 @@ def main(argv=None):
     cached, total = resident(files)
     print(f"{args.model}: {len(files)} weight files, {total / 1e9:.2f} GB, {cached / total:.0%} in the page cache",
           flush=True)
-    plan = [(mode.strip(), args.staging_mb, args.buffers, args.threads) for mode in args.runs.split(",") if mode.strip()]
+    modes = [mode.strip() for mode in args.runs.split(",") if mode.strip()]
+    plan = [(mode, args.staging_mb, args.buffers, args.threads) for mode in modes]
     if args.sweep:
         cold = [r for r in plan if r[0] == "cold"]
         plan = [r for r in plan if r[0] != "cold"] + [("warm", *s) for s in SWEEP] + cold

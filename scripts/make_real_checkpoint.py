@@ -28,6 +28,7 @@ import math
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -307,13 +308,18 @@ def write_json(path, obj):
 
 
 class Progress:
+    """Bytes written so far, printed every two seconds (called from the writer threads)."""
+
     def __init__(self, total):
         self.total, self.done, self.start, self.last = total, 0, time.perf_counter(), 0.0
+        self.lock = threading.Lock()
 
     def __call__(self, nbytes):
-        self.done += nbytes
-        now = time.perf_counter() - self.start
-        if now - self.last >= 2.0 or self.done == self.total:
+        with self.lock:
+            self.done += nbytes
+            now = time.perf_counter() - self.start
+            if not (now - self.last >= 2.0 or self.done == self.total):
+                return
             self.last = now
             print(f"  {self.done / 1e9:7.2f} / {self.total / 1e9:.2f} GB  {now:6.1f} s  "
                   f"{self.done / 1e9 / max(now, 1e-9):5.2f} GB/s", flush=True)
