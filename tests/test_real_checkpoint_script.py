@@ -158,3 +158,15 @@ def test_scaled_widths_stay_consistent(script):
         expected_tensors("transformer", t)
         expected_tensors("text_encoder", c["text_encoder"])
         expected_tensors("vae", v)
+
+
+def test_pooled_tensors_span_several_chunks(script, monkeypatch):
+    """A tensor bigger than one write comes out as several pool slices of the right total length."""
+    monkeypatch.setattr(script, "CHUNK", 1000)
+    values = script.Values(0, 1 << 14, threads=2)
+    parts = [np.frombuffer(b, np.uint16) for b in values.pooled("layers.0.w", 3500)]
+    assert [p.size for p in parts] == [1000, 1000, 1000, 500]
+    assert len({p[:8].tobytes() for p in parts}) == 4
+    assert [p.tobytes() for p in values.pooled("layers.0.w", 3500)] == [p.tobytes() for p in parts]
+    x = (values.pool.astype(np.uint32) << 16).view(np.float32)
+    assert abs(x.std() - 0.02) < 0.001
