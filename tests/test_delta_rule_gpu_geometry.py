@@ -1,7 +1,8 @@
 """Both delta-rule kernels with the launch geometry they get on a GPU (not the simulator's small one),
 run in the numba CUDA simulator against the float64 recurrence: the recurrence with the GPU's default
-geometry (256-thread blocks, 16-token tiles, token by token; 45 tokens: a part tile) fitted to dk = 16 and
-to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, with two state columns a thread,
+geometry (256-thread blocks, 16-token tiles, token by token; 21 tokens at dk = 16 and 37 at dk = 8: a whole
+tile, then a part tile; each simulated thread-step costs ~0.2 ms, so no more tokens than that) fitted to dk = 16
+and to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, with two state columns a thread,
 and the chunked form
 with 64-token chunks, 16-row solve blocks, the fused setup (gdn_setup) in 4 warps and the tile walk's
 16-column, 128-thread blocks (dk = 32; 70 tokens: a part chunk), and with dk = 8, the fused setup's 256
@@ -63,11 +64,12 @@ print(plain[0], control[0], plain[1], control[1])
 
 SCRIPTS = {
     # the GPU's default (8, 256, 16, 1), fitted to dk = 16: 4 parts, 64 columns a block
-    "recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(8, 256, 16, 1)),
+    "recurrence": INPUTS.format(n=21, dk=16) + RECURRENT.format(geometry=(8, 256, 16, 1)),
     # the tiny checkpoint's dk = 8 (2 parts, 32-token tiles): what `moss-encode --device cuda` runs on it
-    "recurrence dk 8": INPUTS.format(n=45, dk=8) + RECURRENT.format(geometry=(8, 256, 16, 1)),
-    # groups of 4 tokens (the group algebra at a GPU geometry; the simulator's default groups 2)
-    "grouped recurrence": INPUTS.format(n=45, dk=16) + RECURRENT.format(geometry=(4, 128, 16, 4)),
+    "recurrence dk 8": INPUTS.format(n=37, dk=8) + RECURRENT.format(geometry=(8, 256, 16, 1)),
+    # groups of 4 tokens (the group algebra at a GPU geometry; the simulator's default groups 2); 21 tokens:
+    # a whole tile of 4 groups, then a part tile with a whole group and a part one
+    "grouped recurrence": INPUTS.format(n=21, dk=16) + RECURRENT.format(geometry=(4, 128, 16, 4)),
     # two state columns a thread at a GPU geometry (128 threads; 21 tokens: a tile and a part one); the
     # contract's simulator geometry runs two columns in groups of 2
     "recurrence 2 columns": INPUTS.format(n=21, dk=16) + RECURRENT.format(geometry=(8, 128, 16, 1, 2)),
