@@ -9,9 +9,10 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, uint16, uint32, uint64
 
-from .core import (BLOCK, EPS16, EPS32, SHARED, SIMULATED, Case, bf16_bound, from_bf16_bits, gamma, jit, narrow,
+from .elementwise import _words
+from .core import (BLOCK, EPS16, EPS32, SHARED, SIMULATED, Case, DeviceView, as_float32, bf16_bound, float32_bits, from_bf16_bits, gamma, jit, narrow,
                    row_team, team_sum, to_bf16_bits, widen)
 
 
@@ -68,15 +69,104 @@ def _norm_modulate(residual, bits_in, control, team, per):
     return norm_modulate
 
 
+@jit(device=True, forceinline=True)
+def _lo(word):
+    return as_float32(uint32(word & uint64(0xFFFFFFFF)))
+
+
+@jit(device=True, forceinline=True)
+def _hi(word):
+    return as_float32(uint32(word >> uint64(32)))
+
+
+@functools.cache
+def _norm_modulate_pairs(residual, bits_in, control, team, per):
+    """norm_modulate on element pairs: x and the float32 vectors as 8-byte words of two floats, u and out
+    as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread)."""
+    @jit
+    def norm_modulate_pairs(x, u, gate, w, shift, scale, out, eps):
+        sh = cuda.shared.array(SHARED, float32)
+        vals = cuda.local.array(2 * per, float32)
+        rows, words = x.shape
+        row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+        lane = cuda.threadIdx.x % team
+        live = row < rows
+        r = uint64(min(row, rows - 1))
+        acc = float32(0.0)
+        for j in range(per):
+            i = lane + j * team
+            a, b = float32(0.0), float32(0.0)
+            if i < words:
+                k = uint64(i)
+                xw = x[r, k]
+                a, b = _lo(xw), _hi(xw)
+                if residual:
+                    if bits_in:
+                        uw = u[r, k]
+                        ua, ub = widen(uint16(uw & uint32(0xFFFF))), widen(uint16(uw >> uint32(16)))
+                    else:
+                        uw2 = u[r, k]
+                        ua, ub = _lo(uw2), _hi(uw2)
+                    if not control:
+                        gw = gate[k]
+                        ua, ub = ua * _lo(gw), ub * _hi(gw)
+                    a, b = a + ua, b + ub
+                    if live:
+                        x[r, k] = uint64(float32_bits(a)) | (uint64(float32_bits(b)) << uint64(32))
+            vals[2 * j], vals[2 * j + 1] = a, b
+            acc += a * a + b * b
+        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(2 * words) + eps)
+        if not live:
+            return
+        for j in range(per):
+            i = lane + j * team
+            if i < words:
+                k = uint64(i)
+                ww, fw, cw = w[k], shift[k], scale[k]
+                sa, sb = _lo(cw), _hi(cw)
+                if not (control and not residual):
+                    sa, sb = float32(1.0) + sa, float32(1.0) + sb
+                ya = (vals[2 * j] * inv) * _lo(ww) * sa + _lo(fw)
+                yb = (vals[2 * j + 1] * inv) * _hi(ww) * sb + _hi(fw)
+                out[r, k] = uint32(narrow(ya)) | (uint32(narrow(yb)) << uint32(16))
+    return norm_modulate_pairs
+
+
+def _view(a, typestr, item):
+    """A contiguous device array (last axis even) seen as words of `item` bytes (no copy), else None."""
+    if SIMULATED:
+        host = a._ary
+        if not host.flags.c_contiguous or host.shape[-1] * host.itemsize % item:
+            return None
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(host.view(np.dtype(typestr)))
+    face = a.__cuda_array_interface__
+    shape = tuple(face["shape"])
+    own = np.dtype(face["typestr"]).itemsize
+    dense = face["strides"] is None or tuple(face["strides"]) == tuple(
+        int(np.prod(shape[i + 1:])) * own for i in range(len(shape)))
+    if not dense or shape[-1] * own % item or face["data"][0] % item:
+        return None
+    return cuda.as_cuda_array(DeviceView(a, shape[:-1] + (shape[-1] * own // item,), None, typestr))
+
+
 def norm_modulate(x, w, shift, scale, out, eps, u=None, gate=None, stream=0, control=False):
     """out [L, D] bf16 bits = modulate(rms_norm(x)); with u and gate, x [L, D] float32 becomes x + u gate
     first (in place). w, shift, scale, gate: float32 [D]."""
     rows, d = x.shape
-    grid, team, per = _row_geometry(rows, d)
     residual = u is not None
-    kernel = _norm_modulate(residual, residual and u.dtype == np.uint16, control, team, per)
+    bits_in = residual and u.dtype == np.uint16
     if not residual:
         u, gate = x, w
+    views = [_view(a, "<u8", 8) for a in (x, gate, w, shift, scale)]
+    views += [_view(u, "<u4" if bits_in else "<u8", 4 if bits_in else 8), _view(out, "<u4", 4)]
+    if d % 2 == 0 and all(v is not None for v in views):
+        grid, team, per = _row_geometry(rows, d // 2)
+        xw, gw, ww, fw, cw, uw, ow = views
+        _norm_modulate_pairs(residual, bits_in, control, team, per)[grid, BLOCK, stream](xw, uw, gw, ww, fw, cw, ow, eps)
+        return
+    grid, team, per = _row_geometry(rows, d)
+    kernel = _norm_modulate(residual, bits_in, control, team, per)
     kernel[grid, BLOCK, stream](x, u, gate, w, shift, scale, out, eps)
 
 
@@ -100,15 +190,17 @@ def norm_modulate_bound(x, w, shift, scale, d):
 # --- per-head q/k RMSNorm + RoPE ------------------------------------------------------------
 @functools.cache
 def _qk_norm_rope(control, team, per):
-    """One team per (token, head); the head's d = team x per elements in registers, element j of a thread
-    paired with element j + per / 2 (d / 2 apart: the rotate-half pairs). Control: rotates the other way."""
+    """One team per (token, head), the head's d elements in registers as per 4-byte words of 2 bf16 each
+    (team x per x 2 = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the rotate-half
+    pairs). Heads from `split` on take the second weight (q and k in one launch). Control: rotates the other
+    way."""
     half = per // 2
 
     @jit
-    def qk_norm_rope(x, w, cos, sin, out, eps):
+    def qk_norm_rope(x, w, w2, split, cos, sin, out, eps):
         sh = cuda.shared.array(SHARED, float32)
-        vals = cuda.local.array(per, float32)
-        tokens, heads, d = x.shape
+        vals = cuda.local.array(2 * per, float32)
+        tokens, heads, words = x.shape
         rows = tokens * heads
         row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         lane = cuda.threadIdx.x % team
@@ -117,45 +209,72 @@ def _qk_norm_rope(control, team, per):
         t, h = uint64(row // heads), uint64(row % heads)
         acc = float32(0.0)
         for j in range(per):
-            vals[j] = widen(x[t, h, uint64(lane + j * team)])
-            acc += vals[j] * vals[j]
-        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(d) + eps)
+            word = x[t, h, uint64(lane + j * team)]
+            vals[2 * j] = widen(uint16(word & uint32(0xFFFF)))
+            vals[2 * j + 1] = widen(uint16(word >> uint32(16)))
+            acc += vals[2 * j] * vals[2 * j] + vals[2 * j + 1] * vals[2 * j + 1]
+        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(2 * words) + eps)
         if not live:
             return
+        wt = w2 if h >= uint64(split) else w
         for j in range(half):
-            ia, ib = lane + j * team, lane + (j + half) * team
-            a = (vals[j] * inv) * w[uint64(ia)]
-            b = (vals[j + half] * inv) * w[uint64(ib)]
-            c, s = cos[t, uint64(ia)], sin[t, uint64(ia)]
-            if control:
-                s = -s
-            out[t, h, uint64(ia)] = narrow(a * c - b * s)
-            out[t, h, uint64(ib)] = narrow(b * c + a * s)
+            wa, wb = lane + j * team, lane + (j + half) * team       # word indices, d / 4 apart
+            lo_a, lo_b = uint32(0), uint32(0)
+            for e in range(2):
+                ia, ib = uint64(2 * wa + e), uint64(2 * wb + e)
+                a = (vals[2 * j + e] * inv) * wt[ia]
+                b = (vals[2 * (j + half) + e] * inv) * wt[ib]
+                c, sn = cos[t, ia], sin[t, ia]
+                if control:
+                    sn = -sn
+                lo_a |= uint32(narrow(a * c - b * sn)) << uint32(16 * e)
+                lo_b |= uint32(narrow(b * c + a * sn)) << uint32(16 * e)
+            out[t, h, uint64(wa)] = lo_a
+            out[t, h, uint64(wb)] = lo_b
     return qk_norm_rope
 
 
 def _qk_geometry(d):
-    """(team, per): a power-of-two team of at most a warp, an even number of a head's d elements each."""
+    """(team, per): a power-of-two team of at most a warp, an even number of 2-element words each."""
     team = 8 if SIMULATED else 32
-    while team > 1 and (d % team or (d // team) % 2):
+    while team > 1 and (d % (2 * team) or (d // (2 * team)) % 2):
         team //= 2
-    return team, d // team
+    return team, d // (2 * team)
 
 
 def qk_norm_rope_fits(d, r):
     team, per = _qk_geometry(d)
-    return team * per == d and per % 2 == 0 and 2 * r == d
+    return 2 * team * per == d and per % 2 == 0 and 2 * r == d
 
 
-def qk_norm_rope(x, w, cos, sin, out, eps, stream=0, control=False):
-    """out [L, H, d] bf16 bits = rope(rms_norm(x) w) for bf16-bit heads x [L, H, d] of any strides (a column
-    block of the fused qkv product); cos, sin [L, d / 2] float32; rotate-half over the whole head."""
+def _words3(a):
+    """[L, H, d] bf16 bits of unit element stride as 4-byte words [L, H, d / 2] (no copy), else None."""
+    if SIMULATED:
+        host = a._ary
+        if host.strides[2] != 2 or host.shape[2] % 2 or any(st % 4 for st in host.strides[:2]):
+            return None
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(host.view(np.uint32))
+    face = a.__cuda_array_interface__
+    shape = face["shape"]
+    strides = face["strides"] or (shape[1] * shape[2] * 2, shape[2] * 2, 2)
+    if strides[2] != 2 or shape[2] % 2 or face["data"][0] % 4 or strides[0] % 4 or strides[1] % 4:
+        return None
+    return cuda.as_cuda_array(DeviceView(a, (shape[0], shape[1], shape[2] // 2), (strides[0], strides[1], 4), "<u4"))
+
+
+def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, split=None, stream=0, control=False):
+    """out [L, H, d] bf16 bits = rope(rms_norm(x) w) for bf16-bit heads x [L, H, d] (any token and head
+    strides, unit element stride: a column block of the fused qkv product); heads from `split` on use w2
+    (q and k heads side by side, one launch); cos, sin [L, d / 2] float32; rotate-half over the whole head."""
     tokens, heads, d = x.shape
-    if not qk_norm_rope_fits(d, cos.shape[1]):
-        raise ValueError(f"qk_norm_rope: head {d} with {cos.shape[1]} rotary pairs does not fit its geometry")
+    words = _words3(x), _words3(out)
+    if not qk_norm_rope_fits(d, cos.shape[1]) or words[0] is None or words[1] is None:
+        raise ValueError(f"qk_norm_rope: heads {tuple(x.shape)} with {cos.shape[1]} rotary pairs do not fit")
     team, per = _qk_geometry(d)
     grid = -(-(tokens * heads) // (BLOCK // team))
-    _qk_norm_rope(control, team, per)[grid, BLOCK, stream](x, w, cos, sin, out, eps)
+    w2, split = (w, heads) if w2 is None else (w2, split)
+    _qk_norm_rope(control, team, per)[grid, BLOCK, stream](words[0], w, w2, split, cos, sin, words[1], eps)
 
 
 def qk_norm_rope_reference(x, w, cos, sin, eps):
@@ -173,6 +292,26 @@ def _sigmoid(x):
     return float32(1.0) / (float32(1.0) + math.exp(-x))
 
 
+@jit(device=True, forceinline=True)
+def _tanh(x):
+    """tanh in float32 from one exp: 1 - 2 / (e^2|x| + 1), or the odd series below |x| = 1/16 (where the
+    subtraction would cancel): within ~2e-6 relative of tanh, far inside a bf16 result's rounding."""
+    a = abs(x)
+    if a < float32(0.0625):
+        s = x * x
+        return x * (float32(1.0) - s * (float32(1.0 / 3.0) - s * (float32(2.0 / 15.0) - s * float32(17.0 / 315.0))))
+    t = float32(1.0) - float32(2.0) / (math.exp(float32(2.0) * a) + float32(1.0))
+    return t if x >= 0 else -t
+
+
+@jit(device=True, forceinline=True)
+def _situ_one(h, g, control):
+    a = float32(4.0) * _tanh(g * float32(0.25))
+    if not control:
+        a = a * _sigmoid(g)
+    return narrow(a * (float32(25.0) * _tanh(h * float32(0.04))))
+
+
 @functools.cache
 def _situ(control):
     @jit
@@ -182,20 +321,41 @@ def _situ(control):
             ro = uint64(r)
             for c in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
                 co = uint64(c)
-                g = widen(gate[ro, co])
-                h = widen(hidden[ro, co])
-                a = float32(4.0) * math.tanh(g * float32(0.25))
-                if not control:
-                    a = a * _sigmoid(g)
-                out[ro, co] = narrow(a * (float32(25.0) * math.tanh(h * float32(0.04))))
+                out[ro, co] = _situ_one(widen(hidden[ro, co]), widen(gate[ro, co]), control)
     return situ
 
 
+@functools.cache
+def _situ_packed(control):
+    """Four bf16 of each operand in one 8-byte word (elementwise._words), four results stored as one."""
+    @jit
+    def situ_packed(hidden, gate, out):
+        rows, cols = out.shape
+        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            ro = uint64(r)
+            for c in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
+                co = uint64(c)
+                wh, wg = hidden[ro, co], gate[ro, co]
+                word = uint64(0)
+                for e in range(4):
+                    sh = uint64(16 * e)
+                    h = widen(uint16((wh >> sh) & uint64(0xFFFF)))
+                    g = widen(uint16((wg >> sh) & uint64(0xFFFF)))
+                    word |= uint64(_situ_one(h, g, control)) << sh
+                out[ro, co] = word
+    return situ_packed
+
+
 def situ(hidden, gate, out, stream=0, control=False):
-    """out = (4 tanh(g / 4) sigmoid(g)) (25 tanh(h / 25)), bf16 bits in (any strides) and out [L, F].
-    Control: the sigmoid factor left out."""
+    """out = (4 tanh(g / 4) sigmoid(g)) (25 tanh(h / 25)), bf16 bits in (any strides) and out [L, F]; 8-byte
+    words where the rows allow (elementwise._words). Control: the sigmoid factor left out."""
     rows = out.shape[0]
-    _situ(control)[max(1, min(rows, 2 if SIMULATED else 16384)), BLOCK, stream](hidden, gate, out)
+    grid = max(1, min(rows, 2 if SIMULATED else 16384))
+    words = [_words(a) for a in (hidden, gate, out)]
+    if all(w is not None for w in words):
+        _situ_packed(control)[grid, BLOCK, stream](*words)
+    else:
+        _situ(control)[grid, BLOCK, stream](hidden, gate, out)
 
 
 def situ_reference(h, g):
@@ -284,10 +444,12 @@ def _make_rows(rows, d):
     return make
 
 
-def _run_norm_modulate(inp, control, residual):
-    x = cuda.to_device(inp["x"])
-    w, shift, scale, gate, u = (cuda.to_device(inp[k]) for k in ("w", "shift", "scale", "gate", "u"))
-    out = cuda.device_array(inp["x"].shape, np.uint16)
+def _run_norm_modulate(inp, control, residual, width=None):
+    """The pair form at the case's even width; `width` (odd) cuts the rows there for the element form."""
+    cut = (lambda a: np.ascontiguousarray(a[..., :width])) if width else (lambda a: a)
+    x = cuda.to_device(cut(inp["x"]))
+    w, shift, scale, gate, u = (cuda.to_device(cut(inp[k])) for k in ("w", "shift", "scale", "gate", "u"))
+    out = cuda.device_array(x.shape, np.uint16)
     if residual:
         norm_modulate(x, w, shift, scale, out, inp["eps"], u=u, gate=gate, control=control)
         return np.concatenate([x.copy_to_host().astype(np.float64), from_bf16_bits(out.copy_to_host())])
@@ -295,7 +457,9 @@ def _run_norm_modulate(inp, control, residual):
     return from_bf16_bits(out.copy_to_host())
 
 
-def _ref_norm_modulate(inp, residual):
+def _ref_norm_modulate(inp, residual, width=None):
+    if width:
+        inp = {k: (v[..., :width] if isinstance(v, np.ndarray) else v) for k, v in inp.items()}
     u = from_bf16_bits(inp["u"]) if residual else None
     x, y = norm_modulate_reference(inp["x"], inp["w"], inp["shift"], inp["scale"], inp["eps"], u, inp["gate"])
     d = x.shape[1]
@@ -319,6 +483,7 @@ def _make_qk(rng, size):
     pos = np.arange(tokens)[:, None] - tokens / 2
     angles = pos * (10000.0 ** (-np.arange(r) / r))[None, :]
     return {"wide": to_bf16_bits(wide), "heads": heads, "w": (1 + rng.standard_normal(d) * 0.2).astype(np.float32),
+            "w2": (1 + rng.standard_normal(d) * 0.2).astype(np.float32),
             "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32), "eps": 1e-6}
 
 
@@ -327,14 +492,16 @@ def _run_qk(inp, control):
     wide = cuda.to_device(inp["wide"])
     x = wide[:, :2 * inp["heads"], :]
     out = cuda.device_array(x.shape, np.uint16)
-    w, cos, sin = (cuda.to_device(inp[k]) for k in ("w", "cos", "sin"))
-    qk_norm_rope(x, w, cos, sin, out, inp["eps"], control=control)
+    w, w2, cos, sin = (cuda.to_device(inp[k]) for k in ("w", "w2", "cos", "sin"))
+    qk_norm_rope(x, w, cos, sin, out, inp["eps"], w2=w2, split=inp["heads"], control=control)
     return from_bf16_bits(out.copy_to_host())
 
 
 def _ref_qk(inp):
     x = from_bf16_bits(inp["wide"])[:, :2 * inp["heads"], :]
-    ref, n = qk_norm_rope_reference(x, inp["w"], inp["cos"], inp["sin"], inp["eps"])
+    split = inp["heads"]
+    w = np.where(np.arange(x.shape[1])[:, None] < split, inp["w"][None, :], inp["w2"][None, :])
+    ref, n = qk_norm_rope_reference(x, w, inp["cos"], inp["sin"], inp["eps"])
     r = inp["cos"].shape[1]
     c, s = np.abs(inp["cos"]).astype(np.float64)[:, None, :], np.abs(inp["sin"]).astype(np.float64)[:, None, :]
     a, b = np.abs(n[..., :r]), np.abs(n[..., r:])
@@ -346,22 +513,28 @@ def _make_situ(rng, size):
     rows, f = (4, 24) if size == "tiny" else (4396, 8192)
     both = rng.standard_normal((rows, 2 * f)) * 4
     both[0, :4] = [60.0, -60.0, 200.0, -200.0]    # saturated tanh / sigmoid
+    both[1, :6] = [0.1, -0.2, 0.24, -0.26, 1e-3, -3e-4]   # either side of the series' |x| = 1/16
     return {"both": to_bf16_bits(both), "f": f}
 
 
 def _run_situ(inp, control):
+    """The packed form (halves of one product, as the DiT's up_gate) and the element form (odd offsets)."""
     both = cuda.to_device(inp["both"])
     f = inp["f"]
-    out = cuda.device_array((both.shape[0], f), np.uint16)
-    situ(both[:, :f], both[:, f:], out, control=control)
-    return from_bf16_bits(out.copy_to_host())
+    outs = []
+    for h, g in ((both[:, :f], both[:, f:]), (both[:, 1:f], both[:, f + 1:])):
+        out = cuda.device_array(h.shape, np.uint16)
+        situ(h, g, out, control=control)
+        outs.append(from_bf16_bits(out.copy_to_host()).reshape(-1))
+    return np.concatenate(outs)
 
 
 def _ref_situ(inp):
     both, f = from_bf16_bits(inp["both"]), inp["f"]
-    ref = situ_reference(both[:, :f], both[:, f:])
-    # tanh, exp, the products in float32 (a few ulp each), then the bf16 rounding of the result
-    return ref, bf16_bound(16 * EPS32) * np.abs(ref) + 1e-30
+    ref = np.concatenate([situ_reference(both[:, :f], both[:, f:]).reshape(-1),
+                          situ_reference(both[:, 1:f], both[:, f + 1:]).reshape(-1)])
+    # the exp-based tanh within 2e-6, exp and the products a few ulp each, then the bf16 rounding
+    return ref, bf16_bound(2e-6 + 16 * EPS32) * np.abs(ref) + 1e-30
 
 
 def _make_latents(rng, size):
@@ -417,6 +590,9 @@ CASES = [
          lambda i: _ref_norm_modulate(i, False), notes="control: x (scale) + shift, the 1 of 1 + scale forgotten"),
     Case("residual_norm_modulate", _make_rows(4396, 3072), lambda i, c: _run_norm_modulate(i, c, True),
          lambda i: _ref_norm_modulate(i, True), notes="control: the residual added without its gate"),
+    Case("norm_modulate_odd", _make_rows(64, 3071), lambda i, c: _run_norm_modulate(i, c, True, 31 if i["x"].shape[1] == 32 else 3071),
+         lambda i: _ref_norm_modulate(i, True, 31 if i["x"].shape[1] == 32 else 3071),
+         notes="the element form (odd rows); control: the residual added without its gate"),
     Case("qk_norm_rope", _make_qk, _run_qk, _ref_qk, notes="q/k heads of the fused qkv product; control: sin negated"),
     Case("widen_heads", _make_qk, _run_widen, _ref_widen, notes="exact; control: each head read reversed"),
     Case("situ", _make_situ, _run_situ, _ref_situ, notes="control: the gate's sigmoid factor left out"),

@@ -181,8 +181,7 @@ class MossTransformer:
     def _attention(self, q, k, v, q_norm, k_norm, cos, sin):
         """Per-head RMSNorm + RoPE on q and k, bidirectional attention, heads merged: [L, dim]."""
         ops = self.ops
-        q = ops.rms_norm_rope(self._heads(q), q_norm, cos, sin, EPS)
-        k = ops.rms_norm_rope(self._heads(k), k_norm, cos, sin, EPS)
+        q, k = ops.qk_norm_rope(self._heads(q), self._heads(k), q_norm, k_norm, cos, sin, EPS)
         o = ops.attention(q, k, self._heads(v), 1.0 / math.sqrt(self.head_dim))
         return ops.reshape(o, (o.shape[0], self.heads * self.head_dim))
 

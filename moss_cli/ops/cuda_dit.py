@@ -6,8 +6,10 @@ every tensor that feeds a product or the attention is bf16 bits, as in the offic
 """
 
 import numpy as np
+from numba import cuda
 
 from cuda_kernels import dit, flash, sdpa
+from cuda_kernels.core import SIMULATED, DeviceView
 
 
 class DitCudaOps:
@@ -35,10 +37,25 @@ class DitCudaOps:
     def _vector(self, v):
         return v.reshape(v.size)
 
-    def qk_norm_rope(self, x, w, cos, sin, eps):
+    def _bf16_norm_rope(self, x, w, cos, sin, eps):
         out = self.new(x.shape, np.uint16)
         dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream)
         return out
+
+    def qk_norm_rope(self, q, k, wq, wk, cos, sin, eps):
+        """(rope(rms_norm(q) wq), rope(rms_norm(k) wk)); bf16 q and k heads side by side in one product's
+        output (the fused qkv) take one launch over both, as views of one [L, 2H, d] result."""
+        L, H, d = q.shape
+        item = q.dtype.itemsize
+        adjacent = (q.dtype == np.uint16 and k.dtype == np.uint16 and tuple(q.strides) == tuple(k.strides)
+                    and q.strides[1] == d * item and k.shape == q.shape
+                    and k.__cuda_array_interface__["data"][0] == q.__cuda_array_interface__["data"][0] + H * d * item)
+        if not adjacent or SIMULATED:
+            return self.rms_norm_rope(q, wq, cos, sin, eps), self.rms_norm_rope(k, wk, cos, sin, eps)
+        both = cuda.as_cuda_array(DeviceView(q, (L, 2 * H, d), q.strides), sync=False)
+        out = self.new((L, 2 * H, d), np.uint16)
+        dit.qk_norm_rope(both, wq, cos, sin, out, eps, w2=wk, split=H, stream=self.stream)
+        return out[:, :H], out[:, H:]
 
     def bf16_attention(self, q, k, v, scale):
         """Bidirectional attention of bf16 heads [S, H, D] -> bf16 bits [S, H, D]."""

@@ -33,3 +33,8 @@ class DitOps:
         on a GPU table (which updates x in place)."""
         x = self.gated_residual(x, update, gate)
         return x, self.norm_modulate(x, w, eps, shift, scale)
+
+    def qk_norm_rope(self, q, k, wq, wk, cos, sin, eps):
+        """The attention's q and k heads through rms_norm_rope, each with its weight (one op: a GPU table
+        runs both in one launch)."""
+        return self.rms_norm_rope(q, wq, cos, sin, eps), self.rms_norm_rope(k, wk, cos, sin, eps)
