@@ -83,10 +83,12 @@ def _hi(word):
 def _norm_modulate_pairs(residual, bits_in, control, team, per):
     """norm_modulate on element pairs: x and the float32 vectors as 8-byte words of two floats, u and out
     as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread)."""
+    size = 2 * per
+
     @jit
     def norm_modulate_pairs(x, u, gate, w, shift, scale, out, eps):
         sh = cuda.shared.array(SHARED, float32)
-        vals = cuda.local.array(2 * per, float32)
+        vals = cuda.local.array(size, float32)
         rows, words = x.shape
         row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         lane = cuda.threadIdx.x % team
@@ -163,11 +165,11 @@ def norm_modulate(x, w, shift, scale, out, eps, u=None, gate=None, stream=0, con
     if d % 2 == 0 and all(v is not None for v in views):
         grid, team, per = _row_geometry(rows, d // 2)
         xw, gw, ww, fw, cw, uw, ow = views
-        _norm_modulate_pairs(residual, bits_in, control, team, per)[grid, BLOCK, stream](xw, uw, gw, ww, fw, cw, ow, eps)
+        _norm_modulate_pairs(residual, bits_in, control, team, per)[grid, BLOCK, stream](xw, uw, gw, ww, fw, cw, ow, np.float32(eps))
         return
     grid, team, per = _row_geometry(rows, d)
     kernel = _norm_modulate(residual, bits_in, control, team, per)
-    kernel[grid, BLOCK, stream](x, u, gate, w, shift, scale, out, eps)
+    kernel[grid, BLOCK, stream](x, u, gate, w, shift, scale, out, np.float32(eps))
 
 
 def norm_modulate_reference(x, w, shift, scale, eps, u=None, gate=None):
@@ -194,12 +196,12 @@ def _qk_norm_rope(control, team, per):
     (team x per x 2 = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the rotate-half
     pairs). Heads from `split` on take the second weight (q and k in one launch). Control: rotates the other
     way."""
-    half = per // 2
+    half, size = per // 2, 2 * per
 
     @jit
     def qk_norm_rope(x, w, w2, split, cos, sin, out, eps):
         sh = cuda.shared.array(SHARED, float32)
-        vals = cuda.local.array(2 * per, float32)
+        vals = cuda.local.array(size, float32)
         tokens, heads, words = x.shape
         rows = tokens * heads
         row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
@@ -274,7 +276,7 @@ def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, split=None, stream=0, contro
     team, per = _qk_geometry(d)
     grid = -(-(tokens * heads) // (BLOCK // team))
     w2, split = (w, heads) if w2 is None else (w2, split)
-    _qk_norm_rope(control, team, per)[grid, BLOCK, stream](words[0], w, w2, split, cos, sin, words[1], eps)
+    _qk_norm_rope(control, team, per)[grid, BLOCK, stream](words[0], w, w2, split, cos, sin, words[1], np.float32(eps))
 
 
 def qk_norm_rope_reference(x, w, cos, sin, eps):
@@ -292,6 +294,9 @@ def _sigmoid(x):
     return float32(1.0) / (float32(1.0) + math.exp(-x))
 
 
+_T3, _T5, _T7 = np.float32(1 / 3), np.float32(2 / 15), np.float32(17 / 315)   # tanh's odd series
+
+
 @jit(device=True, forceinline=True)
 def _tanh(x):
     """tanh in float32 from one exp: 1 - 2 / (e^2|x| + 1), or the odd series below |x| = 1/16 (where the
@@ -299,7 +304,7 @@ def _tanh(x):
     a = abs(x)
     if a < float32(0.0625):
         s = x * x
-        return x * (float32(1.0) - s * (float32(1.0 / 3.0) - s * (float32(2.0 / 15.0) - s * float32(17.0 / 315.0))))
+        return x * (float32(1.0) - s * (_T3 - s * (_T5 - s * _T7)))
     t = float32(1.0) - float32(2.0) / (math.exp(float32(2.0) * a) + float32(1.0))
     return t if x >= 0 else -t
 

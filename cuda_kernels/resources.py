@@ -25,8 +25,8 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import (elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms, prefetch,
-                   rope_attention)
+    from . import (dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms,
+                   prefetch, rope_attention)
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -36,6 +36,7 @@ def _signatures():
     tup = t.UniTuple(t.int64, 4)
     u1 = a(t.uint32, 1)
     w2 = a(t.uint64, 2, "A")                                   # 8-byte words (elementwise._words)
+    w2c, u8v = a(t.uint64, 2), a(t.uint64, 1)                  # dit's contiguous word views
     packed_team = elementwise._tiles(1, 2 * 12288 // elementwise.PACK)[1]
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
@@ -79,6 +80,17 @@ def _signatures():
         "flash_attention_d128": (flash.kernel(128, False)[0], (u1, u1, u1, f3, t.int64, t.float32)),
         "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),
                                    (f1, f1, f1, f1, f3, f3)),
+        "dit_norm_modulate_pairs_d3072": (dit._norm_modulate_pairs(True, True, False, *row_team(1536)),
+                                          (w2c, a(t.uint32, 2), u8v, u8v, u8v, u8v, a(t.uint32, 2), t.float32)),
+        "dit_norm_modulate_d3071": (dit._norm_modulate(True, True, False, *row_team(3071)),
+                                    (f2, b2, f1, f1, f1, f1, b2, t.float32)),
+        "dit_qk_norm_rope_d128": (dit._qk_norm_rope(False, *dit._qk_geometry(128)),
+                                  (a(t.uint32, 3, "A"), f1, f1, t.int64, f2, f2, a(t.uint32, 3), t.float32)),
+        "dit_situ_packed": (dit._situ_packed(False), (w2, w2, a(t.uint64, 2))),
+        "dit_situ": (dit._situ(False), (a(t.uint16, 2, "A"), a(t.uint16, 2, "A"), b2)),
+        "dit_widen_heads": (dit._widen(False), (a(t.uint16, 3, "A"), f3)),
+        "dit_patchify": (dit._patchify_kernel(False), (f2, b2)),
+        "dit_cfg_euler": (dit._cfg_euler(True, False), (f2, f2, f2, f2, f1)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),
     }
