@@ -202,7 +202,8 @@ class CudaOps(DitCudaOps, ConvCudaOps):
         if out is None:
             host = np.asarray(table)
             bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
-            out = self._params[key] = (cuda.to_device(np.ascontiguousarray(bits)), table)
+            from .cuda_upload import uploader
+            out = self._params[key] = (uploader().to_device(bits, wait=self.capturing), table)
         return out[0]
 
     def array(self, x):
@@ -476,7 +477,7 @@ class CudaOps(DitCudaOps, ConvCudaOps):
         """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two;
         bf16 heads (the DiT's) give bf16 heads (cuda_dit)."""
         if x.dtype == np.uint16 and offset == 0.0:
-            return self.qk_norm_rope(x, w, cos, sin, eps)
+            return self._bf16_norm_rope(x, w, cos, sin, eps)
         if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[x.ndim - 1], cos.shape[1])):
             return self.rope(self.rms_norm(x, w, eps, offset), cos, sin)
         out = self.new(x.shape)
