@@ -6,7 +6,8 @@
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
-# $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it).
+# $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
+# (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS).
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -40,12 +41,16 @@ for step in "$@"; do
     gaps) $limit python3 scripts/gpu_encoder_gaps.py --out "$OUT/gaps.json" 2>&1 | tee "$OUT/gaps.txt" ;;
     dit) $limit python3 scripts/gpu_dit.py --out "$OUT/dit.json" ${DIT_ARGS:-} 2>&1 | tee "$OUT/dit.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
-    load) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
           fi
-          $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt" ;;
+          if [ "$step" = load ]; then
+            $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"
+          else
+            $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture.json" ${PICTURE_ARGS:-} 2>&1 | tee "$OUT/picture.txt"
+          fi ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   rc=$?

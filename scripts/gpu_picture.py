@@ -1,0 +1,97 @@
+"""The whole picture on the GPU from a real-size MOSS-Image folder (scripts/make_real_checkpoint.py makes a
+random one): the product's own path (stages.Model with device cuda, as moss-image runs it), timed stage by
+stage, for each size twice (the second picture reuses the loaded weights and the captured graphs).
+
+Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
+the encode, denoise and decode seconds and their sum; device memory in use at the end (the pools only
+grow, so this is the peak of the run). Writes JSON and the PNGs beside it.
+
+    python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
+"""
+
+import time
+
+START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from numba import cuda  # noqa: E402
+
+from moss_cli import artifacts, stages  # noqa: E402
+from moss_cli.checkpoint import open_checkpoint  # noqa: E402
+from moss_cli.progress import Silent  # noqa: E402
+
+PROMPT = "a red fox in the snow, morning light, detailed fur"
+
+
+class Clock(Silent):
+    """Silent progress that keeps the time of each picture's first denoising step."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_step = None
+
+    def step(self, i, n, *args, **kwargs):
+        if i == 0 and self.first_step is None:
+            self.first_step = time.perf_counter()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 512])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--guidance", type=float, default=3.0)
+    ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
+    args = ap.parse_args()
+    imported = time.perf_counter()
+    clock = Clock()
+    model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
+    memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
+    free0, total = memory()
+    for part in ("encoder", "transformer", "decoder"):
+        getattr(model, part)
+    if args.device == "cuda":
+        cuda.synchronize()
+    loaded = time.perf_counter()
+    out = {"imports_s": imported - START, "load_s": loaded - imported, "start_to_loaded_s": loaded - START,
+           "pictures": []}
+    print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s)",
+          flush=True)
+    folder = Path(args.out).parent
+    for size in args.sizes:
+        for rep in range(2):
+            t0 = time.perf_counter()
+            enc_bytes = stages.encode(model, PROMPT, "")
+            enc = artifacts.parse(enc_bytes, "ENC", "encode", model.fingerprint)
+            t1 = time.perf_counter()
+            opts = stages.SamplingOptions(seed=42, steps=args.steps, guidance=args.guidance, width=size, height=size)
+            lat_bytes, _ = stages.denoise(model, enc, opts)
+            lat = artifacts.parse(lat_bytes, "LAT", "denoise", model.fingerprint)
+            t2 = time.perf_counter()
+            png = stages.decode(model, lat)
+            t3 = time.perf_counter()
+            row = {"size": size, "repeat": rep, "encode_s": t1 - t0, "denoise_s": t2 - t1, "decode_s": t3 - t2,
+                   "denoise_decode_s": t3 - t1, "picture_s": t3 - t0,
+                   "dit_gpu_ms_per_step": getattr(model.transformer, "timings", {"gpu_s": 0.0})["gpu_s"]
+                   / args.steps * 1e3}
+            if clock.first_step is not None and not out["pictures"]:
+                out["start_to_first_step_s"] = clock.first_step - START
+            out["pictures"].append(row)
+            (folder / f"picture-{size}-{rep}.png").write_bytes(png)
+            print(f"{size}x{size} #{rep}: encode {row['encode_s']:.2f} s, denoise {row['denoise_s']:.2f} s "
+                  f"({row['dit_gpu_ms_per_step']:.1f} ms/step on the GPU), decode {row['decode_s']:.3f} s, "
+                  f"picture {row['picture_s']:.2f} s", flush=True)
+    free1, _ = memory()
+    out["device_memory_in_use_GB"] = (total - free1) / 1e9
+    out["device_memory_by_this_run_GB"] = (free0 - free1) / 1e9
+    print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
+          f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
