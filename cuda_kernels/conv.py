@@ -1,0 +1,699 @@
+"""The VAE decoder's image ops: split fp16 columns of a convolution, the split product, group norm, latents in, pixels out.
+
+A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
+max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
+hi + lo holds 22 bits of x s; a product takes the three terms hi*hi + lo*hi + hi*lo of its two operands as one
+fp16 product with K tripled, [a_hi | a_lo | a_hi] . [w_hi | w_hi | w_lo], on tensor cores with float32
+accumulation, then `finish` divides the scales out and adds the bias. bf16 parts (16 bits) are too coarse for
+float32-level pixels; TF32 parts run at half the rate.
+"""
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit
+
+R_16F, R_32F = 2, 0           # cudaDataType
+TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
+TILE = 32                     # finish's transpose tile
+ROWS = 8                      # thread rows of a finish / im2col block
+GN_PARTS = 2 if SIMULATED else 64   # blocks per group in the group norm's sums
+COLUMN_BYTES = 4 << 20 if SIMULATED else 384 << 20   # the im2col buffer of one chunk of pixel rows
+
+
+def _blocks(n):
+    return max(1, min(-(-n // BLOCK), 2 if SIMULATED else 8192))
+
+
+# --- fp16 bits <-> float32 ------------------------------------------------------------------
+@jit(device=True)
+def to_half(x):
+    """float32 -> fp16 bits, round to nearest even, subnormals kept, overflow to inf (NaN not special-cased)."""
+    b = float32_bits(x)
+    sign = (b >> uint32(16)) & uint32(0x8000)
+    e = int32((b >> uint32(23)) & uint32(0xFF)) - 112          # fp16 exponent field
+    m = b & uint32(0x7FFFFF)
+    if e >= 31:
+        return uint16(sign | uint32(0x7C00))
+    if e <= 0:
+        if e < -10:
+            return uint16(sign)
+        m = m | uint32(0x800000)
+        shift = uint32(14 - e)
+        r = m >> shift
+        rem = m & ((uint32(1) << shift) - uint32(1))
+        half = uint32(1) << (shift - uint32(1))
+        if rem > half or (rem == half and (r & uint32(1)) == uint32(1)):
+            r += uint32(1)
+        return uint16(sign | r)
+    r = (uint32(e) << uint32(10)) | (m >> uint32(13))
+    rem = m & uint32(0x1FFF)
+    if rem > uint32(0x1000) or (rem == uint32(0x1000) and (r & uint32(1)) == uint32(1)):
+        r += uint32(1)                                           # a carry into the exponent is right
+    return uint16(sign | r)
+
+
+@jit(device=True)
+def from_half(h):
+    """fp16 bits -> float32, exact (finite values)."""
+    h = uint32(h)
+    e = (h >> uint32(10)) & uint32(0x1F)
+    m = h & uint32(0x3FF)
+    if e == uint32(0):
+        v = float32(m) * float32(2.0 ** -24)
+        return -v if (h & uint32(0x8000)) != uint32(0) else v
+    return as_float32(((h & uint32(0x8000)) << uint32(16)) | ((e + uint32(112)) << uint32(23)) | (m << uint32(13)))
+
+
+@jit(device=True)
+def scale_of(peak):
+    """The power of two s with peak * s in [2^TOP, 2^(TOP + 1)) (1 for a zero peak)."""
+    e = int32((float32_bits(peak) >> uint32(23)) & uint32(0xFF)) - 127
+    if peak <= float32(0.0):
+        e = TOP
+    e = min(max(TOP - e, -120), 120)
+    return as_float32(uint32(e + 127) << uint32(23))
+
+
+# --- host-side twins (weights are split once on the host; references) ----------------------
+def host_scale(peak):
+    """scale_of on the host."""
+    if peak <= 0:
+        return 1.0
+    e = int(np.frexp(np.float32(peak))[1]) - 1
+    return float(2.0 ** min(max(TOP - e, -120), 120))
+
+
+def host_split(x, scale):
+    """(hi, lo) fp16 bits of float32 x * scale, as the kernels write them."""
+    xs = np.asarray(x, np.float32) * np.float32(scale)
+    hi = xs.astype(np.float16)
+    lo = (xs - hi.astype(np.float32)).astype(np.float16)
+    return hi.view(np.uint16), lo.view(np.uint16)
+
+
+def half_value(bits):
+    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
+
+
+def weight_matrix(w):
+    """A conv weight [O, C, kh, kw] (or a linear's [O, C]) as the product's right operand: fp16 bits [O, 3 K]
+    = [w_hi | w_hi | w_lo] in column order k = tap C + c, and its peak |w| (the scale's source)."""
+    w = np.asarray(w, np.float32)
+    o = w.shape[0]
+    m = w.reshape(o, w.shape[1], -1).transpose(0, 2, 1).reshape(o, -1) if w.ndim == 4 else w
+    peak = float(np.abs(m).max()) if m.size else 0.0
+    hi, lo = host_split(m, host_scale(peak))
+    return np.ascontiguousarray(np.concatenate([hi, hi, lo], axis=1)), np.float32(peak)
+
+
+# --- kernels ------------------------------------------------------------------------------
+def _make_zero():
+    @jit
+    def zero(peak):
+        if cuda.grid(1) == 0:
+            peak[0] = float32(0.0)
+    return zero
+
+
+def _make_absmax(control):
+    @jit
+    def absmax(x, peak):
+        """peak[0] = max(peak[0], max |x|) over flat x (peak zeroed before)."""
+        sh = cuda.shared.array(BLOCK, float32)
+        tid = cuda.threadIdx.x
+        m = float32(0.0)
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            m = max(m, x[i] if control else abs(x[i]))
+        sh[tid] = m
+        cuda.syncthreads()
+        step = BLOCK // 2
+        while step > 0:
+            if tid < step:
+                sh[tid] = max(sh[tid], sh[tid + step])
+            cuda.syncthreads()
+            step //= 2
+        if tid == 0:
+            cuda.atomic.max(peak, 0, sh[0])
+    return absmax
+
+
+def _make_split_rows(control):
+    @jit
+    def split_rows(x, peak, out, weight):
+        """x [M, K] -> out [M, 3K] fp16 bits: [hi | lo | hi] (weight: [hi | hi | lo]) of x * scale_of(peak)."""
+        s = scale_of(peak[0])
+        k = x.shape[1]
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            r, c = i // k, i % k
+            v = x[r, c] * s
+            hi = to_half(v)
+            lo = to_half(v - from_half(hi)) if not control else uint16(0)
+            out[r, c] = hi
+            out[r, k + c] = hi if weight else lo
+            out[r, 2 * k + c] = lo if weight else hi
+    return split_rows
+
+
+@functools.cache
+def _make_im2col(control, taps, up):
+    """Columns of a stride-1 conv with `taps` x `taps` taps (padding taps // 2), for image rows [r0, r0 + rows)
+    of the output; up: the input is the nearest-2x upsampling of x (read through, never written)."""
+    pad = taps // 2
+
+    @jit
+    def im2col(x, peak, cols, r0):
+        """cols[p, part K + t C + c] (K = taps^2 C, parts hi | lo | hi) for output pixel p of the chunk, tap t,
+        channel c; threads along c (coalesced writes), rows of the block along pixels."""
+        s = scale_of(peak[0])
+        c_in = x.shape[0]
+        h, w = (2 * x.shape[1], 2 * x.shape[2]) if up else (x.shape[1], x.shape[2])
+        k = taps * taps * c_in
+        c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= c_in:
+            return
+        for p in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, cols.shape[0],
+                       cuda.gridDim.x * cuda.blockDim.y):
+            y0, x0 = r0 + p // w, p % w
+            for t in range(taps * taps):
+                yy = y0 + t // taps - pad
+                xx = x0 + t % taps - pad
+                if control:
+                    xx = x0 + t // taps - pad
+                    yy = y0 + t % taps - pad
+                v = float32(0.0)
+                if 0 <= yy < h and 0 <= xx < w:
+                    v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
+                v *= s
+                hi = to_half(v)
+                lo = to_half(v - from_half(hi)) if not control else uint16(0)
+                j = t * c_in + c
+                cols[p, j] = hi
+                cols[p, k + j] = lo
+                cols[p, 2 * k + j] = hi
+    return im2col
+
+
+def _make_finish(control):
+    @jit
+    def finish(d, peak_a, peak_w, bias, out, offset, channels):
+        """out = d / (scale_a scale_w) + bias over d [M, N]: channels: out is [N, total] (out[n, offset + m],
+        a transpose through a shared tile), else out [M, N] (out[m, n]); bias [N] or empty."""
+        sh = cuda.shared.array((TILE, TILE + 1), float32)
+        inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
+        m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        for j in range(ty, TILE, ROWS):
+            m, n = m0 + j, n0 + tx
+            if m < d.shape[0] and n < d.shape[1]:
+                v = d[m, n] * inv
+                if bias.size > 0:
+                    v += bias[n] if not control else bias[0]
+                sh[j, tx] = v
+        cuda.syncthreads()
+        for j in range(ty, TILE, ROWS):
+            if channels:
+                n, m = n0 + j, m0 + tx
+                if m < d.shape[0] and n < d.shape[1]:
+                    out[n, offset + m] = sh[tx, j]
+            else:
+                m, n = m0 + j, n0 + tx
+                if m < d.shape[0] and n < d.shape[1]:
+                    out[m, n] = sh[j, tx]
+    return finish
+
+
+def _make_gn_sums(control):
+    @jit
+    def gn_sums(x, stats, partial, centred):
+        """partial[g, b] = sum over block b's share of group g (x [G, n]) of x (centred: (x - mean)^2, the mean
+        from the first pass's partials in stats[g, :])."""
+        sh = cuda.shared.array(BLOCK, float32)
+        g, b, tid = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
+        n = x.shape[1]
+        mean = float32(0.0)
+        if centred:
+            for i in range(stats.shape[1]):
+                mean += stats[g, i]
+            mean /= float32(n)
+        acc = float32(0.0)
+        for i in range(b * BLOCK + tid, n, cuda.gridDim.x * BLOCK):
+            v = x[g, i] - mean
+            acc += v * v if centred and not control else v
+        sh[tid] = acc
+        cuda.syncthreads()
+        step = BLOCK // 2
+        while step > 0:
+            if tid < step:
+                sh[tid] += sh[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        if tid == 0:
+            partial[g, b] = sh[0]
+    return gn_sums
+
+
+def _make_gn_stats():
+    @jit
+    def gn_stats(partial, n, eps):
+        """partial[0, g, :2] = (mean, 1 / sqrt(var + eps)) of group g from its sums partial[0, g, :] and
+        centred squares partial[1, g, :] (one thread a group)."""
+        g = cuda.grid(1)
+        if g >= partial.shape[1]:
+            return
+        mean, var = float32(0.0), float32(0.0)
+        for j in range(partial.shape[2]):
+            mean += partial[0, g, j]
+            var += partial[1, g, j]
+        partial[0, g, 0] = mean / n
+        partial[0, g, 1] = float32(1.0) / math.sqrt(max(var / n, float32(0.0)) + eps)
+    return gn_stats
+
+
+def _make_gn_apply():
+    @jit
+    def gn_apply(x, stats, w, b, out, silu):
+        """out = (x - mean) * (w[c] rstd) + b[c] (then silu) over x [C, P] of consecutive channel groups, stats
+        [G, 2+] their (mean, rstd)."""
+        per = x.shape[0] // stats.shape[0]
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            c, p = i // x.shape[1], i % x.shape[1]
+            g = c // per
+            y = (x[c, p] - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
+            if silu:
+                y = y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
+            out[c, p] = y
+    return gn_apply
+
+
+def _make_unpack(control):
+    @jit
+    def unpack(lat, std, mean, out):
+        """out[c, 2i + a, 2j + b] = lat[4c + 2a + b, i, j] * std[k] + mean[k] (BN de-normalisation, 2x2 unpatchify)."""
+        h, w = lat.shape[1], lat.shape[2]
+        for idx in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            c = idx // (4 * h * w)
+            y = (idx // (2 * w)) % (2 * h)
+            xx = idx % (2 * w)
+            k = 4 * c + 2 * (y % 2) + xx % 2
+            if control:
+                k = 4 * c + 2 * (xx % 2) + y % 2
+            v = lat[k, y // 2, xx // 2] * std[k]
+            out[c, y, xx] = v + mean[k]
+    return unpack
+
+
+def _make_pixels(control):
+    @jit
+    def pixels(image, out):
+        """out[y, x, c] = diffusers' uint8 of image[c, y, x]: x*0.5+0.5 clamped to [0, 1], *255, half to even."""
+        h, w = image.shape[1], image.shape[2]
+        for idx in range(cuda.grid(1), image.size, cuda.gridsize(1)):
+            c, y, xx = idx // (h * w), (idx // w) % h, idx % w
+            v = image[c, y, xx] * float32(0.5)
+            v = min(max(v + float32(0.5), float32(0.0)), float32(1.0)) * float32(255.0)
+            r = math.floor(v)
+            f = v - r
+            if f > float32(0.5) or (f == float32(0.5) and not control and r % float32(2.0) == float32(1.0)):
+                r += float32(1.0)
+            out[y, xx, c] = np.uint8(r)
+    return pixels
+
+
+_zero = _make_zero()
+_absmax = {c: _make_absmax(c) for c in (False, True)}
+_split_rows = {c: _make_split_rows(c) for c in (False, True)}
+_finish = {c: _make_finish(c) for c in (False, True)}
+_gn_sums = {c: _make_gn_sums(c) for c in (False, True)}
+_gn_stats = _make_gn_stats()
+_gn_apply = _make_gn_apply()
+_unpack = {c: _make_unpack(c) for c in (False, True)}
+_pixels = {c: _make_pixels(c) for c in (False, True)}
+
+
+# --- launchers ----------------------------------------------------------------------------
+def absmax(x, peak, stream=0, control=False):
+    """peak[0] = max |x| over x (any shape, contiguous), on the device."""
+    _zero[1, 1, stream](peak)
+    _absmax[control][_blocks(x.size), BLOCK, stream](x.reshape(x.size), peak)
+
+
+def split_rows(x, peak, out, weight=False, stream=0, control=False):
+    """out [M, 3K] fp16 bits of x [M, K] scaled by scale_of(peak[0]): [hi | lo | hi], or [hi | hi | lo] (weight)."""
+    _split_rows[control][_blocks(x.size), BLOCK, stream](x, peak, out, weight)
+
+
+def chunk_rows(c_in, taps, width):
+    """Output image rows per im2col chunk: as many as keep the columns within COLUMN_BYTES."""
+    return max(1, COLUMN_BYTES // (3 * taps * taps * c_in * 2 * width))
+
+
+def im2col(x, peak, cols, r0, taps, up=False, stream=0, control=False):
+    """cols [rows W, 3 taps^2 C] fp16 bits: the split columns of output rows r0.. of a conv over x [C, H, W]
+    (up: over the nearest-2x upsampling of x), zero padding taps // 2, x scaled by scale_of(peak[0])."""
+    tx = min(32, x.shape[0])
+    grid = (max(1, min(-(-cols.shape[0] // ROWS), 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
+    _make_im2col(control, taps, up)[grid, (tx, ROWS), stream](x, peak, cols, int(r0))
+
+
+def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, stream=0, control=False):
+    """out from the scaled product d [M, N] (see the kernel); bias None or [N]."""
+    if bias is None:
+        bias = cuda.device_array(0, np.float32) if SIMULATED else _no_bias()
+    grid = (-(-d.shape[0] // TILE), -(-d.shape[1] // TILE))
+    _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, out, int(offset), bool(channels))
+
+
+@functools.cache
+def _no_bias():
+    return cuda.device_array(0, np.float32)
+
+
+def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False):
+    """out = GroupNorm(x) (then silu) over x [C, H, W] float32 (consecutive channel groups; float32 sums: the
+    mean, then the squares about it); partial a float32 workspace [2, groups, GN_PARTS]."""
+    xg = x.reshape(groups, x.size // groups)
+    rows = (x.shape[0], x.size // x.shape[0])
+    _gn_sums[False][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[0], False)
+    _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], True)
+    _gn_stats[1, max(32, groups), stream](partial, np.float32(x.size // groups), np.float32(eps))
+    _gn_apply[_blocks(x.size), BLOCK, stream](x.reshape(rows), partial[0], w, b, out.reshape(rows),
+                                                     bool(silu))
+
+
+def unpack_latents(lat, std, mean, out, stream=0, control=False):
+    """out [C, 2h, 2w] = unpatchify(lat [4C, h, w] * std + mean) (std, mean [4C])."""
+    _unpack[control][_blocks(out.size), BLOCK, stream](lat, std, mean, out)
+
+
+def to_pixels(image, out, stream=0, control=False):
+    """out uint8 [H, W, 3] from image [3, H, W] float32 (vae.to_pixels)."""
+    _pixels[control][_blocks(image.size), BLOCK, stream](image, out)
+
+
+# --- the split product on tensor cores ----------------------------------------------------
+class HalfProduct:
+    """cuBLASLt d[M, N] = a[M, K] . w[N, K]^T, a and w fp16 bits, float32 accumulate and output (gemm.py's
+    layout with fp16 operands); the algorithm is the heuristic's first, planned once per shape."""
+
+    def __init__(self):
+        from .gemm import blas
+        self.blas = blas()
+        self.lt = self.blas.lt
+        self._plans = {}
+        self._one = np.array([1.0], np.float32)
+        self._zero = np.array([0.0], np.float32)
+
+    def _plan(self, m, n, k):
+        from .gemm import COMPUTE_32F, OP_N, OP_T, _set
+        key = (m, n, k)
+        plan = self._plans.get(key)
+        if plan is None:
+            lt, A = self.lt, self.lt.MatmulDescAttribute
+            desc = lt.matmul_desc_create(COMPUTE_32F, R_32F)
+            _set(lt.matmul_desc_set_attribute, desc, A.TRANSA, OP_T, np.int32)
+            _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
+            layouts = (lt.matrix_layout_create(R_16F, k, n, k), lt.matrix_layout_create(R_16F, k, m, k),
+                       lt.matrix_layout_create(R_32F, n, m, n))
+            found = self.blas._heuristic(desc, *layouts, 1)
+            if len(found) == 0:
+                raise RuntimeError(f"cuBLASLt has no fp16 algorithm for M={m} N={n} K={k}")
+            plan = self._plans[key] = (desc, layouts, found)
+        return plan
+
+    def __call__(self, a, w, d, stream=0):
+        from .gemm import WORKSPACE, _row, pointer, stream_handle
+        m, k = a.shape
+        n = w.shape[0]
+        desc, (la, lb, lc), found = self._plan(m, n, k)
+        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w), la, pointer(a), lb,
+                       self._zero.ctypes.data, pointer(d), lc, pointer(d), lc, _row(found, 0),
+                       pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
+
+
+_product = None
+
+
+def half_product(a, w, d, stream=0):
+    """d [M, N] float32 = a [M, K] . w [N, K]^T of fp16 bits. In the simulator (no cuBLAS): on the host in float64."""
+    global _product
+    if SIMULATED:
+        d[:] = (half_value(a.copy_to_host()) @ half_value(w.copy_to_host()).T).astype(np.float32)
+        return
+    if _product is None:
+        _product = HalfProduct()
+    _product(a, w, d, stream)
+
+
+# --- float64 references: the spec of each kernel ---------------------------------------------
+def conv2d_reference(x, w, b, padding, up=False):
+    """torch.nn.Conv2d (stride 1) of x [C, H, W] (up: of its nearest-2x upsampling) in float64."""
+    x = np.asarray(x, np.float64)
+    if up:
+        x = x.repeat(2, axis=1).repeat(2, axis=2)
+    c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (padding, padding), (padding, padding)))
+    ho, wo = h + 2 * padding - kh + 1, wd + 2 * padding - kw + 1
+    out = np.zeros((o, ho, wo))
+    for i in range(kh):
+        for j in range(kw):
+            out += np.einsum("oc,chw->ohw", np.asarray(w[:, :, i, j], np.float64), xp[:, i:i + ho, j:j + wo])
+    return out + (0 if b is None else np.asarray(b, np.float64)[:, None, None])
+
+
+def group_norm_reference(x, w, b, groups, eps, silu):
+    x = np.asarray(x, np.float64)
+    g = x.reshape(groups, -1)
+    mean, var = g.mean(axis=1, keepdims=True), g.var(axis=1, keepdims=True)
+    y = ((g - mean) / np.sqrt(var + eps)).reshape(x.shape)
+    y = y * np.asarray(w, np.float64)[:, None, None] + np.asarray(b, np.float64)[:, None, None]
+    return y / (1 + np.exp(-y)) if silu else y
+
+
+def unpack_reference(lat, std, mean):
+    z = np.asarray(lat, np.float64) * np.asarray(std, np.float64)[:, None, None] + \
+        np.asarray(mean, np.float64)[:, None, None]
+    c4, h, w = z.shape
+    return z.reshape(c4 // 4, 2, 2, h, w).transpose(0, 3, 1, 4, 2).reshape(c4 // 4, 2 * h, 2 * w)
+
+
+# --- gates -----------------------------------------------------------------------------------
+# A split part carries x s to 2^-22 relative (hi's rounding 2^-11, lo's 2^-11 of that); fp16 subnormals
+# (below 2^-14 of the scaled max 2^14) add an absolute 2^-25 per part, i.e. 2^-39 of the peak.
+SPLIT_REL = 2.0 ** -21
+
+
+def product_bound(terms, k, peaks=0.0):
+    """|error| of a split product over k terms whose |a| |w| sum to `terms`: each term within 2 SPLIT_REL
+    plus the dropped lo*lo, float32 accumulation over 3k terms, the peaks' subnormal floor."""
+    return (3 * SPLIT_REL + gamma(3 * k) + 4 * EPS32) * terms + peaks * 2.0 ** -36 * k + 1e-30
+
+
+def group_norm_bound(x, w, b, groups, silu):
+    """Each float32 sum runs n / (GN_PARTS BLOCK) terms a thread, a tree of BLOCK, GN_PARTS partials: gamma_m
+    relative to the sum of magnitudes. The mean's error moves y by |w| rstd that much; the variance's
+    relative error (gamma_m and a few roundings) moves it by half that of |y - b|; silu's slope is below 1.1
+    and its exp and division add a few roundings."""
+    x = np.asarray(x, np.float64)
+    n = x.size // groups
+    m = -(-n // (GN_PARTS * BLOCK)) + int(math.log2(BLOCK)) + GN_PARTS + 2
+    g = x.reshape(groups, -1)
+    rstd = 1 / np.sqrt(g.var(axis=1) + 1e-6)
+    shift = np.repeat(gamma(m) * np.abs(g).mean(axis=1) * rstd, x.shape[0] // groups)
+    w64, b64 = np.abs(np.asarray(w, np.float64)), np.asarray(b, np.float64)
+    y = group_norm_reference(x, w, b, groups, 0.0, False)
+    err = w64[:, None, None] * shift[:, None, None] + (0.5 * gamma(m) + 6 * EPS32) * np.abs(y - b64[:, None, None]) \
+        + 2 * EPS32 * np.abs(y)
+    return (1.1 * err + 6 * EPS32 * np.abs(y)) if silu else err + 1e-30
+
+
+# --- contract --------------------------------------------------------------------------------
+def _make_split(rng, size):
+    m, k = (6, 20) if size == "tiny" else (4096, 16384)
+    x = rng.standard_normal((m, k)).astype(np.float32) * 37
+    x[0, :4] = (1e-9, -3e-7, 0.0, 2.5e-6)                       # values far below the peak
+    return {"x": x}
+
+
+def _run_split(inp, control):
+    x = cuda.to_device(inp["x"])
+    peak = cuda.device_array(1, np.float32)
+    out = cuda.device_array((x.shape[0], 3 * x.shape[1]), np.uint16)
+    absmax(x, peak, control=control)
+    split_rows(x, peak, out, control=control)
+    bits = out.copy_to_host()
+    k = x.shape[1]
+    s = host_scale(float(np.abs(inp["x"]).max()))
+    return np.concatenate([(half_value(bits[:, :k]) + half_value(bits[:, k:2 * k])) / s,
+                           half_value(bits[:, 2 * k:]) / s])
+
+
+def _ref_split(inp):
+    x = inp["x"].astype(np.float64)
+    peak = np.abs(x).max()
+    # hi + lo within SPLIT_REL of x (or the subnormal floor); the third part is hi alone, within 2^-11
+    return np.concatenate([x, x]), np.concatenate([SPLIT_REL * np.abs(x) + peak * 2.0 ** -38,
+                                                   2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38])
+
+
+def _make_conv(taps, up):
+    def make(rng, size):
+        c, o, h, w = (5, 3, 3, 4) if size == "tiny" else (384, 384, 128, 128)
+        if up:
+            h, w = h // 2 + 1, w // 2 + 1
+        x = rng.standard_normal((c, h, w)).astype(np.float32) * 3
+        wt = (rng.standard_normal((o, c, taps, taps)) / math.sqrt(c * taps * taps)).astype(np.float32)
+        return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up}
+    return make
+
+
+def _run_conv(inp, control):
+    """The columns chunk by chunk (two rows a chunk in the tiny case), the product, finish into [O, H, W]."""
+    x = cuda.to_device(inp["x"])
+    taps, up = inp["taps"], inp["up"]
+    wm, wpeak = weight_matrix(inp["w"])
+    w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
+    c, h, wd = x.shape
+    h, wd = (2 * h, 2 * wd) if up else (h, wd)
+    o = wm.shape[0]
+    out = cuda.device_array((o, h * wd), np.float32)
+    peak = cuda.device_array(1, np.float32)
+    absmax(x, peak)
+    rows = 2 if SIMULATED else chunk_rows(c, taps, wd)
+    for r0 in range(0, h, rows):
+        n = min(rows, h - r0) * wd
+        cols = cuda.device_array((n, wm.shape[1]), np.uint16)
+        d = cuda.device_array((n, o), np.float32)
+        im2col(x, peak, cols, r0, taps, up, control=control)
+        half_product(cols, w, d)
+        finish(d, peak, peak_w, bias, out, r0 * wd, channels=True)
+    return out.copy_to_host().reshape(o, h, wd)
+
+
+def _ref_conv(inp):
+    taps, up = inp["taps"], inp["up"]
+    ref = conv2d_reference(inp["x"], inp["w"], inp["b"], taps // 2, up)
+    terms = conv2d_reference(np.abs(inp["x"]), np.abs(inp["w"]), np.abs(inp["b"]), taps // 2, up)
+    k = inp["x"].shape[0] * taps * taps
+    peaks = float(np.abs(inp["x"]).max() * np.abs(inp["w"]).max())
+    return ref, product_bound(terms, k, peaks)
+
+
+def _make_finish_inputs(rng, size):
+    m, n = (40, 36) if size == "tiny" else (65536, 384)
+    return {"d": rng.standard_normal((m, n)).astype(np.float32) * 1e4, "b": rng.standard_normal(n).astype(np.float32),
+            "pa": np.float32(3.0), "pw": np.float32(0.01)}
+
+
+def _run_finish(inp, control):
+    d, b = cuda.to_device(inp["d"]), cuda.to_device(inp["b"])
+    pa, pw = cuda.to_device(np.array([inp["pa"]])), cuda.to_device(np.array([inp["pw"]]))
+    m, n = inp["d"].shape
+    rows = cuda.device_array((m, n), np.float32)
+    chans = cuda.device_array((n, m + 3), np.float32)
+    finish(d, pa, pw, b, rows, control=control)
+    finish(d, pa, pw, b, chans, 3, channels=True, control=control)
+    return np.concatenate([rows.copy_to_host(), chans.copy_to_host()[:, 3:].T])
+
+
+def _ref_finish(inp):
+    inv = 1.0 / (host_scale(inp["pa"]) * host_scale(inp["pw"]))
+    ref = inp["d"].astype(np.float64) * inv + inp["b"].astype(np.float64)
+    bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])) + 1e-30
+    return np.concatenate([ref, ref]), np.concatenate([bound, bound])
+
+
+def _make_gn(rng, size):
+    c, h, w, groups = (8, 5, 6, 4) if size == "tiny" else (96, 1024, 1024, 32)
+    x = (rng.standard_normal((c, h, w)) * 2 + 40).astype(np.float32)   # a mean far from zero
+    return {"x": x, "w": (1 + 0.3 * rng.standard_normal(c)).astype(np.float32),
+            "b": (0.3 * rng.standard_normal(c)).astype(np.float32), "groups": groups, "eps": 1e-6}
+
+
+def _run_gn(inp, control):
+    x, w, b = (cuda.to_device(inp[n]) for n in ("x", "w", "b"))
+    partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
+    outs = []
+    for silu in (False, True):
+        out = cuda.device_array(x.shape, np.float32)
+        group_norm(x, w, b, out, inp["groups"], inp["eps"], silu, partial, control=control)
+        outs.append(out.copy_to_host())
+    return np.concatenate(outs)
+
+
+def _ref_gn(inp):
+    args = (inp["x"], inp["w"], inp["b"], inp["groups"], inp["eps"])
+    bounds = [group_norm_bound(inp["x"], inp["w"], inp["b"], inp["groups"], silu) for silu in (False, True)]
+    return np.concatenate([group_norm_reference(*args, False), group_norm_reference(*args, True)]), \
+        np.concatenate(bounds)
+
+
+def _make_unpack_inputs(rng, size):
+    h, w = (2, 3) if size == "tiny" else (128, 128)
+    return {"lat": rng.standard_normal((128, h, w)).astype(np.float32),
+            "std": (rng.random(128) + 0.5).astype(np.float32), "mean": rng.standard_normal(128).astype(np.float32)}
+
+
+def _run_unpack(inp, control):
+    lat = cuda.to_device(inp["lat"])
+    _, h, w = lat.shape
+    out = cuda.device_array((32, 2 * h, 2 * w), np.float32)
+    unpack_latents(lat, cuda.to_device(inp["std"]), cuda.to_device(inp["mean"]), out, control=control)
+    return out.copy_to_host()
+
+
+def _ref_unpack(inp):
+    ref = unpack_reference(inp["lat"], inp["std"], inp["mean"])
+    mag = unpack_reference(np.abs(inp["lat"]), inp["std"], np.abs(inp["mean"]))
+    return ref, 2 * EPS32 * mag + 1e-30
+
+
+def _make_pixel_inputs(rng, size):
+    """float32 neighbours of the rounding boundaries (ties both ways), values out of range, random values."""
+    k = np.arange(255)
+    boundary = (2 * (k + 0.5) / 255 - 1).astype(np.float32)
+    near = [boundary]
+    for step in (2, -2):
+        v = boundary
+        for _ in range(3):
+            v = np.nextafter(v, np.float32(step))
+            near.append(v)
+    x = np.concatenate(near + [np.float32([-1, 1, -1.5, 2, 0, -0.0])])
+    n = 3 * 24 * 48 if size == "tiny" else 3 * 1024 * 1024
+    x = np.concatenate([x, rng.uniform(-1.1, 1.1, n - x.size).astype(np.float32)])
+    return {"image": x.reshape(3, -1, 48 if size == "tiny" else 1024)}
+
+
+def _run_pixels(inp, control):
+    image = cuda.to_device(inp["image"])
+    _, h, w = image.shape
+    out = cuda.device_array((h, w, 3), np.uint8)
+    to_pixels(image, out, control=control)
+    return out.copy_to_host()
+
+
+def _ref_pixels(inp):
+    """vae.to_pixels is the spec (diffusers' rounding, checked against diffusers in tests/test_vae.py): exact."""
+    x = np.asarray(inp["image"], np.float32)
+    p = np.clip(x * np.float32(0.5) + np.float32(0.5), np.float32(0), np.float32(1))
+    ref = np.round(np.transpose(p, (1, 2, 0)) * np.float32(255)).astype(np.float64)
+    return ref, np.full(ref.shape, 0.5)
+
+
+CASES = [
+    Case("split_fp16", _make_split, _run_split, _ref_split, notes="control: lo written as zero"),
+    Case("conv3x3_split", _make_conv(3, False), _run_conv, _ref_conv,
+         simulator=True, notes="columns, product (host float64 in the simulator), finish; control: taps transposed, lo zero"),
+    Case("conv3x3_up_split", _make_conv(3, True), _run_conv, _ref_conv,
+         notes="the nearest-2x upsampling read through; control: taps transposed, lo zero"),
+    Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
+         notes="control: the columns' lo parts zero (and taps transposed)"),
+    Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
+    Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
+    Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
+    Case("to_pixels", _make_pixel_inputs, _run_pixels, _ref_pixels, notes="control: ties rounded down"),
+]
