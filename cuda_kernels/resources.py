@@ -25,7 +25,7 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import (dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms,
+    from . import (conv, dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms,
                    prefetch, rope_attention)
     from .core import row_team
 
@@ -85,7 +85,8 @@ def _signatures():
         "dit_norm_modulate_d3071": (dit._norm_modulate(True, True, False, *row_team(3071)),
                                     (f2, b2, f1, f1, f1, f1, b2, t.float32)),
         "dit_qk_norm_rope_d128": (dit._qk_norm_rope(False, *dit._qk_geometry(128)),
-                                  (a(t.uint32, 3, "A"), f1, f1, t.int64, f2, f2, a(t.uint32, 3), t.float32)),
+                                  (a(t.uint32, 3, "A"), f1, f1, t.int64, f2, f2, a(t.uint32, 3), a(t.uint32, 3),
+                                   t.float32)),
         "dit_situ_packed": (dit._situ_packed(False), (w2, w2, a(t.uint64, 2))),
         "dit_situ": (dit._situ(False), (a(t.uint16, 2, "A"), a(t.uint16, 2, "A"), b2)),
         "dit_widen_heads": (dit._widen(False), (a(t.uint16, 3, "A"), f3)),
@@ -93,6 +94,16 @@ def _signatures():
         "dit_cfg_euler": (dit._cfg_euler(True, False), (f2, f2, f2, f2, f1)),
         "mma_bf16_product": (mma._product[False], (b2, b2, f2)),
         "mma_tf32_product": (mma._product_tf32[False], (f2, f2, f2)),
+        "conv_absmax": (conv._absmax[False], (f1, f1)),
+        "conv_split_rows": (conv._split_rows[False], (f2, f1, b2, t.boolean)),
+        "conv_im2col_3x3": (conv._make_im2col(False, 3, False), (f3, f1, b2, t.int64)),
+        "conv_im2col_3x3_up": (conv._make_im2col(False, 3, True), (f3, f1, b2, t.int64)),
+        "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, t.int64, t.boolean)),
+        "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
+        "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),
+        "group_norm_apply": (conv._gn_apply, (f2, f2, f1, f1, f2, t.boolean)),
+        "unpack_latents": (conv._unpack[False], (f3, f1, f1, f3)),
+        "to_pixels": (conv._pixels[False], (f3, a(t.uint8, 3))),
     }
 
 

@@ -44,7 +44,8 @@ class DitCudaOps:
 
     def qk_norm_rope(self, q, k, wq, wk, cos, sin, eps):
         """(rope(rms_norm(q) wq), rope(rms_norm(k) wk)); bf16 q and k heads side by side in one product's
-        output (the fused qkv) take one launch over both, as views of one [L, 2H, d] result."""
+        output (the fused qkv) take one launch over both, each into its own contiguous [L, H, d] (the layout
+        cuDNN's attention was measured with)."""
         L, H, d = q.shape
         item = q.dtype.itemsize
         adjacent = (q.dtype == np.uint16 and k.dtype == np.uint16 and tuple(q.strides) == tuple(k.strides)
@@ -53,9 +54,9 @@ class DitCudaOps:
         if not adjacent or SIMULATED:
             return self.rms_norm_rope(q, wq, cos, sin, eps), self.rms_norm_rope(k, wk, cos, sin, eps)
         both = cuda.as_cuda_array(DeviceView(q, (L, 2 * H, d), q.strides), sync=False)
-        out = self.new((L, 2 * H, d), np.uint16)
-        dit.qk_norm_rope(both, wq, cos, sin, out, eps, w2=wk, split=H, stream=self.stream)
-        return out[:, :H], out[:, H:]
+        q_out, k_out = self.new(q.shape, np.uint16), self.new(k.shape, np.uint16)
+        dit.qk_norm_rope(both, wq, cos, sin, q_out, eps, w2=wk, out2=k_out, stream=self.stream)
+        return q_out, k_out
 
     def bf16_attention(self, q, k, v, scale):
         """Bidirectional attention of bf16 heads [S, H, D] -> bf16 bits [S, H, D]."""
