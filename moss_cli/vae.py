@@ -113,6 +113,11 @@ class Decoder:
         # unpatchify: packed channel 4c + 2i + j -> channel c, pixel (2y + i, 2x + j)
         z = ops.reshape(z, (c["latent"], pi, pj, h, w))
         z = ops.reshape(ops.transpose(z, (0, 3, 1, 4, 2)), (c["latent"], h * pi, w * pj))
+        return self.decode_image(z)
+
+    def decode_image(self, z):
+        """The unpatchified latent image z [latent, H/8, W/8] (an op-table array) -> the decoder output [3, H, W]."""
+        ops, c = self.ops, self.c
         if c["post_quant_conv"]:
             z = self._conv(z, "post_quant_conv.", 0)
         x = self._conv(z, "decoder.conv_in.", 1)

@@ -1,0 +1,132 @@
+"""The CUDA table's image ops (the numpy table's numpy_conv twins), float32-accurate: convolutions and the
+products of the decoder's attention as split fp16 products on tensor cores (cuda_kernels.conv), group norm
+in float32, the latents' unpacking and the pixels' rounding on the device.
+
+Images are [C, H, W] float32 device arrays, as in the numpy table. A conv runs over chunks of output rows:
+split columns of the chunk (im2col), one product against the split weight [O, 3 K] (prepared once per
+weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
+chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias added.
+"""
+
+import weakref
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels import conv, rope_attention
+
+
+class Upsampled:
+    """The nearest-2x upsampling of x [C, H, W], never written: conv2d reads it through x."""
+
+    def __init__(self, x):
+        self.x = x
+        self.shape = (x.shape[0], 2 * x.shape[1], 2 * x.shape[2])
+        self.dtype = x.dtype
+
+
+class ConvCudaOps:
+    """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
+
+    def _split_weight(self, w):
+        """(fp16 bits [O, 3K], peak [1]) of a float32 device weight (conv [O, C, k, k] or linear [O, C]), made once."""
+        key = ("split", id(w))
+        cached = self._params.get(key)
+        if cached is None or cached[0]() is not w:
+            matrix, peak = conv.weight_matrix(w.copy_to_host())
+            cached = self._params[key] = (weakref.ref(w), cuda.to_device(matrix),
+                                          cuda.to_device(np.array([peak], np.float32)))
+        return cached[1], cached[2]
+
+    def _peak(self, x):
+        peak = self.new((1,))
+        conv.absmax(x, peak, stream=self.stream)
+        return peak
+
+    def conv2d(self, x, w, b=None, padding=0):
+        """Stride-1 torch.nn.Conv2d of x [C, H, W] (or an Upsampled) with w [O, C, k, k] (k odd, padding k // 2)."""
+        o, c, taps, wide = w.shape
+        if taps != wide or taps % 2 == 0 or padding != taps // 2:
+            raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
+        up = isinstance(x, Upsampled)
+        src = x.x if up else x
+        _, h, width = x.shape
+        weight, peak_w = self._split_weight(w)
+        peak = self._peak(src)
+        out = self.new((o, h, width))
+        rows = min(h, conv.chunk_rows(c, taps, width))
+        cols = self.new((rows * width, weight.shape[1]), np.uint16)
+        d = self.new((rows * width, o))
+        flat = out.reshape(o, h * width)
+        for r0 in range(0, h, rows):
+            n = min(rows, h - r0) * width
+            conv.im2col(src, peak, cols[:n], r0, taps, up, stream=self.stream)
+            conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
+            conv.finish(d[:n], peak, peak_w, b, flat, r0 * width, channels=True, stream=self.stream)
+        return out
+
+    def group_norm(self, x, groups, w, b, eps):
+        """torch.nn.GroupNorm over x [C, H, W] (consecutive channel groups, biased variance, affine w, b)."""
+        out = self.new(x.shape)
+        conv.group_norm(x, w, b, out, groups, eps, False, self.new((2, groups, conv.GN_PARTS)), stream=self.stream)
+        return out
+
+    def upsample_nearest2x(self, x):
+        """out[c, 2i+a, 2j+b] = x[c, i, j], as a view the next conv2d reads through (Upsampled)."""
+        return Upsampled(x)
+
+    def unpack_latents(self, latents, std, mean):
+        """Packed latents [4C, h, w] -> [C, 2h, 2w]: BN de-normalisation (* std + mean), 2x2 unpatchify."""
+        c4, h, w = latents.shape
+        out = self.new((c4 // 4, 2 * h, 2 * w))
+        conv.unpack_latents(latents, std.reshape(c4), mean.reshape(c4), out, stream=self.stream)
+        return out
+
+    def to_pixels(self, image):
+        """uint8 [H, W, 3] of an image [3, H, W] (values past [-1, 1] clamp): vae.to_pixels on the device."""
+        _, h, w = image.shape
+        out = self.new((h, w, 3), np.uint8)
+        conv.to_pixels(image, out, stream=self.stream)
+        return out
+
+    # --- float32-accurate products for the decoder's attention -------------------------------
+    def _split(self, x, weight=False):
+        """(fp16 bits [M, 3K], peak) of a contiguous float32 x [.., K] (rows of the product's operand)."""
+        k = x.shape[x.ndim - 1]
+        rows = x.reshape(x.size // k, k)
+        peak = self._peak(rows)
+        out = self.new((rows.shape[0], 3 * k), np.uint16)
+        conv.split_rows(rows, peak, out, weight, stream=self.stream)
+        return out, peak
+
+    def _product(self, a, peak_a, w, peak_w, bias=None):
+        """float32 [M, N] = a . w^T (+ bias) from split operands."""
+        d = self.new((a.shape[0], w.shape[0]))
+        conv.half_product(a, w, d, stream=self.stream)
+        out = self.new(d.shape)
+        conv.finish(d, peak_a, peak_w, bias, out, stream=self.stream)
+        return out
+
+    def split_linear(self, x, w, b=None):
+        """x @ w.T (+ b) for float32 x [.., in] and a float32 weight [out, in], as split products."""
+        a, peak = self._split(x)
+        weight, peak_w = self._split_weight(w)
+        out = self._product(a, peak, weight, peak_w, b)
+        return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
+
+    def split_attention(self, q, k, v, scale):
+        """softmax(scale q k^T) v for one head, q [L, 1, d], k, v [S, 1, d] contiguous, as split products; k's
+        and v^T's splits are kept for the next call on the same k and v (queries come in row blocks)."""
+        cached = getattr(self, "_kv_split", None)
+        if cached is None or cached[0]() is not k or cached[1]() is not v:
+            s, d = v.shape[0], v.shape[2]
+            ks = self._split(k, weight=True)
+            vs = self._split(self.transpose(v.reshape(s, d), (1, 0)), weight=True)
+            cached = self._kv_split = (weakref.ref(k), weakref.ref(v), ks, vs)
+        (ks, peak_k), (vs, peak_v) = cached[2], cached[3]
+        qs, peak_q = self._split(q)
+        scores = self._product(qs, peak_q, ks, peak_k)
+        rope_attention.softmax(scores.reshape(1, *scores.shape), scale, False, stream=self.stream)
+        ps, peak_p = self._split(scores)
+        out = self._product(ps, peak_p, vs, peak_v)
+        return out.reshape(q.shape[0], 1, out.shape[1])

@@ -1,0 +1,105 @@
+"""The VAE decoder on the GPU: packed latents [1, 128, h, w] -> uint8 pixels [16h, 16w, 3], float32-accurate.
+
+vae.Decoder's graph on the CUDA table, whose products here are split fp16 products (cuda_conv): the decoder's
+attention projections and attention too, not the table's bf16 ones. The latents' copy in, the BN
+de-normalisation and unpatchify, the decoder and the pixels' rounding are one CUDA graph per latent size.
+"""
+
+import numpy as np
+from numba import cuda
+
+from cuda_kernels.core import SIMULATED, from_bf16_bits
+
+from ..vae import Decoder, _config
+from .cuda_table import CudaOps, _is_bf16, capture, numba_stream
+
+
+class DecoderOps(CudaOps):
+    """The CUDA table with every matrix float32 on the device and linear / attention as split products."""
+
+    def param(self, tensors, name):
+        key = (id(tensors), name)
+        out = self._params.get(key)
+        if out is None:
+            value = np.asarray(tensors[name])
+            wide = from_bf16_bits(value.view(np.uint16)) if _is_bf16(value.dtype) else value
+            out = self._params[key] = cuda.to_device(np.ascontiguousarray(wide, dtype=np.float32))
+        return out
+
+    def linear(self, x, w, b=None, residual=None, narrow=False):
+        if residual is not None:
+            raise ValueError("the decoder's linear takes no residual")
+        return self.split_linear(x, w, b)
+
+    def attention(self, q, k, v, scale, causal=False):
+        if causal or q.shape[1] != 1:
+            raise ValueError("the decoder's attention is one bidirectional head")
+        return self.split_attention(q, k, v, scale)
+
+
+class CudaDecoder:
+    """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
+    vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
+    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way)."""
+
+    def __init__(self, tensors, config, graphs=True):
+        self.ops = DecoderOps()
+        self.decoder = Decoder(self.ops, tensors, config)
+        self.c = _config(config)
+        self.graphs = graphs and not SIMULATED
+        self._captured = {}
+
+    def _run(self, latents):
+        """The ops of one decode from device latents [128, h, w]; returns the device pixels."""
+        ops, d = self.ops, self.decoder
+        z = ops.unpack_latents(latents, d.bn_std, d.bn_mean)
+        return ops.to_pixels(d.decode_image(z))
+
+    def _check(self, latents):
+        latents = np.asarray(latents, dtype=np.float32)
+        pi, pj = self.c["patch"]
+        packed = self.c["latent"] * pi * pj
+        if latents.ndim != 4 or latents.shape[0] != 1 or latents.shape[1] != packed or (pi, pj) != (2, 2):
+            from ..errors import ArtifactError
+            raise ArtifactError(f"latents have shape {list(latents.shape)}, the VAE expects [1, {packed}, h, w]")
+        return latents[0]
+
+    def decode(self, latents):
+        lat = self._check(latents)
+        if not self.graphs:
+            return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
+        size = lat.shape[1:]
+        if size not in self._captured:
+            self._capture(lat.shape)
+        c = self._captured[size]
+        c.host_latents[:] = lat
+        c.graph.launch(c.stream)
+        c.pixels.copy_to_host(c.host_pixels, stream=c.queue)
+        c.queue.synchronize()
+        return c.host_pixels.copy()
+
+    def _capture(self, shape):
+        """An eager pass first (compiles the kernels, splits the weights, plans the products, fills the pool),
+        then the capture: its first node copies the pinned latents in."""
+        device = cuda.device_array(shape, np.float32)
+        device.copy_to_device(np.zeros(shape, np.float32))
+        self._run(device)
+        cuda.synchronize()
+        host = cuda.pinned_array(shape, np.float32)
+
+        def run():
+            device.copy_to_device(host, stream=numba_stream(self.ops.stream))
+            return self._run(device)
+
+        graph, stream, pixels = capture(self.ops, run)
+        self._captured[shape[1:]] = _Graph(graph, stream, device, host, pixels)
+
+
+class _Graph:
+    """One latent size's graph, its stream, the latents it reads (pinned host, device) and the pixels it writes."""
+
+    def __init__(self, graph, stream, device_latents, host_latents, pixels):
+        self.graph, self.stream = graph, stream
+        self.device_latents, self.host_latents, self.pixels = device_latents, host_latents, pixels
+        self.queue = numba_stream(stream)
+        self.host_pixels = cuda.pinned_array(pixels.shape, np.uint8)

@@ -1,0 +1,145 @@
+"""The FLUX.2 small VAE decoder on the GPU: our CudaDecoder against a torch statement of the same decoder.
+
+    python scripts/gpu_decoder.py --out DIR        # writes DIR/decoder.json
+
+Random weights of realistic scale (the small config: widths 96/192/384/384, GroupNorm 32) and standard
+normal latents. For each image size: our decode (median of CUDA-event-timed graph replays after warm-up),
+the torch statement (scripts/reference/vae_decoder.py, checked against diffusers and moss_cli in the CPU
+tests) in float32 with and without TF32 convolutions, and the share of uint8 values each puts off the
+float64 decode of the same statement on the GPU (plus our raw output's max abs error against it).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+SMALL = {"block_out_channels": [128, 256, 512, 512], "decoder_block_out_channels": [96, 192, 384, 384],
+         "latent_channels": 32, "norm_num_groups": 32, "layers_per_block": 2, "patch_size": [2, 2],
+         "batch_norm_eps": 1e-4, "use_post_quant_conv": True, "mid_block_add_attention": True}
+
+
+def random_tensors(config, seed=0):
+    """Every decode tensor: matrices N(0, 1 / fan_in), norm weights 1 + 0.2 N, biases 0.2 N, BN variance in
+    [0.25, 1.75] (as tests/test_vae.py randomizes diffusers' model)."""
+    from moss_cli import vae
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in vae.expected_tensors(config).items():
+        if name == "bn.running_var":
+            v = rng.random(shape) * 1.5 + 0.25
+        elif len(shape) >= 2:
+            v = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
+        elif "norm" in name and name.endswith("weight"):
+            v = 1 + 0.2 * rng.standard_normal(shape)
+        else:
+            v = 0.2 * rng.standard_normal(shape)
+        out[name] = v.astype(np.float32)
+    return out
+
+
+def off(a, b):
+    d = np.abs(a.astype(int) - b.astype(int))
+    return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
+
+
+def torch_ms(fn, torch, calls):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def ours_ms(dec, latents, calls):
+    from numba import cuda
+    dec.decode(latents)
+    c = dec._captured[latents.shape[2:]]
+    for _ in range(3):
+        c.graph.launch(c.stream)
+    c.queue.synchronize()
+    times = []
+    for _ in range(calls):
+        start, stop = cuda.event(), cuda.event()
+        start.record(c.queue)
+        c.graph.launch(c.stream)
+        stop.record(c.queue)
+        stop.synchronize()
+        times.append(cuda.event_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_out"))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from reference import vae_decoder
+    from moss_cli.ops.cuda_decoder import CudaDecoder
+
+    tensors = random_tensors(SMALL, args.seed)
+    dec = CudaDecoder(tensors, SMALL)
+    baseline = f"torch {torch.__version__} eager statement of the decoder, fp32 / TF32 convolutions"
+    record = {"config": SMALL, "baseline": baseline, "sizes": {}}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for size in args.sizes:
+        h = size // 16
+        latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
+        row = {}
+        start = time.perf_counter()
+        pixels = dec.decode(latents)
+        row["ours_first_call_s"] = time.perf_counter() - start
+        row["ours_ms"] = ours_ms(dec, latents, args.replays)
+        lat = torch.from_numpy(latents).cuda()
+        try:
+            t64 = vae_decoder.weights(tensors, torch.float64, "cuda")
+            with torch.no_grad():
+                ref = vae_decoder.decode(t64, SMALL, lat.double())
+            ref_pixels = vae_decoder.to_pixels(ref)
+            row["ours_vs_float64"] = off(pixels, ref_pixels)
+            ops, d = dec.ops, dec.decoder
+            raw = ops.host(d.decode_image(ops.unpack_latents(ops.array(latents[0]), d.bn_std, d.bn_mean)))
+            row["ours_vs_float64"]["max_abs_error"] = float(np.abs(raw - ref[0].cpu().numpy()).max())
+            del t64, ref
+        except torch.cuda.OutOfMemoryError:
+            ref_pixels = None
+            row["float64"] = "out of memory"
+        torch.cuda.empty_cache()
+        t32 = vae_decoder.weights(tensors, torch.float32, "cuda")
+        for name, tf32 in (("fp32", False), ("tf32", True)):
+            torch.backends.cudnn.allow_tf32 = tf32
+            with torch.no_grad():
+                row[f"torch_{name}_ms"] = torch_ms(lambda: vae_decoder.decode(t32, SMALL, lat), torch, 10)
+                if ref_pixels is not None:
+                    row[f"torch_{name}_vs_float64"] = off(vae_decoder.to_pixels(vae_decoder.decode(t32, SMALL, lat)),
+                                                          ref_pixels)
+        del t32
+        torch.cuda.empty_cache()
+        record["sizes"][f"{size}x{size}"] = row
+        print(f"{size}x{size}: {json.dumps(row)}", flush=True)
+    (args.out / "decoder.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
