@@ -12,12 +12,12 @@ import warnings
 
 import numpy as np
 
-from . import (dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, mma, norms, prefetch,
+from . import (conv, dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, mma, norms, prefetch,
                rope_attention, sdpa)
 from .core import SIMULATED, gate
 
 MODULES = (elementwise, layout, prefetch, embedding, norms, rope_attention, flash, gdn, gdn_inputs, gdn_chunk, gemm,
-           mma, dit, sdpa)
+           mma, dit, sdpa, conv)
 
 
 def cases(simulator):

@@ -1,4 +1,4 @@
-"""The VAE decoder's image ops: split fp16 columns of a convolution, the split product, group norm, latents in, pixels out.
+"""The VAE decoder's image ops: split fp16 columns of a conv, the split product, group norm, latents in, pixels out.
 
 A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
 max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
@@ -687,7 +687,7 @@ def _ref_pixels(inp):
 CASES = [
     Case("split_fp16", _make_split, _run_split, _ref_split, notes="control: lo written as zero"),
     Case("conv3x3_split", _make_conv(3, False), _run_conv, _ref_conv,
-         simulator=True, notes="columns, product (host float64 in the simulator), finish; control: taps transposed, lo zero"),
+         notes="columns, product (host float64 in the simulator), finish; control: taps transposed, lo zero"),
     Case("conv3x3_up_split", _make_conv(3, True), _run_conv, _ref_conv,
          notes="the nearest-2x upsampling read through; control: taps transposed, lo zero"),
     Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
