@@ -19,6 +19,7 @@ from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma
 R_16F, R_32F = 2, 0           # cudaDataType
 TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
+TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / im2col block
 GN_PARTS = 2 if SIMULATED else 64   # blocks per group in the group norm's sums
 COLUMN_BYTES = 4 << 20 if SIMULATED else 384 << 20   # the im2col buffer of one chunk of pixel rows
@@ -202,7 +203,7 @@ def _make_finish(control):
     def finish(d, peak_a, peak_w, bias, out, offset, channels):
         """out = d / (scale_a scale_w) + bias over d [M, N]: channels: out is [N, total] (out[n, offset + m],
         a transpose through a shared tile), else out [M, N] (out[m, n]); bias [N] or empty."""
-        sh = cuda.shared.array((TILE, TILE + 1), float32)
+        sh = cuda.shared.array((TILE, TILE_PAD), float32)
         inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
         m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
