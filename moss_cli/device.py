@@ -17,7 +17,7 @@ def gpu_status():
         return False, f"CUDA is not usable ({e})"
 
 
-GPU_STAGES = ("encode", "denoise")
+GPU_STAGES = ("encode", "denoise", "decode")
 
 
 def resolve(requested, stage, gpu_stages=GPU_STAGES):

@@ -130,7 +130,10 @@ class Model:
     def decoder(self):
         from .vae import Decoder
         comp = self.checkpoint.component("vae")
-        self.progress.note("loading VAE decoder")
+        self.progress.note(f"loading VAE decoder ({self.device})")
+        if self.device == "cuda":
+            from .ops.cuda_decoder import CudaDecoder
+            return CudaDecoder(comp.tensors, comp.config)
         return Decoder(self.ops, comp.tensors, comp.config)
 
 
@@ -262,6 +265,7 @@ def decode(model, lat):
         raise ArtifactError(f"{lat.source}: latents hold NaN or infinite values")
     decoder = model.decoder
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
-    pixels = to_pixels(decoder(x))
+    # the GPU decoder rounds to uint8 on the device (ops.cuda_decoder); the CPU's pixels are vae.to_pixels
+    pixels = decoder.decode(x) if model.device == "cuda" else to_pixels(decoder(x))
     params = png_parameters(lat)
     return encode_png(pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)})

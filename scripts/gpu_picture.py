@@ -72,7 +72,12 @@ def main():
             lat_bytes, _ = stages.denoise(model, enc, opts)
             lat = artifacts.parse(lat_bytes, "LAT", "denoise", model.fingerprint)
             t2 = time.perf_counter()
-            png = stages.decode(model, lat)
+            try:
+                png = stages.decode(model, lat)
+            except Exception as e:          # the figures of the other stages still count
+                out.setdefault("decode_errors", []).append(f"{type(e).__name__}: {e}")
+                print(f"decode failed: {type(e).__name__}: {e}", flush=True)
+                png = b""
             t3 = time.perf_counter()
             row = {"size": size, "repeat": rep, "encode_s": t1 - t0, "denoise_s": t2 - t1, "decode_s": t3 - t2,
                    "denoise_decode_s": t3 - t1, "picture_s": t3 - t0,
@@ -81,7 +86,8 @@ def main():
             if clock.first_step is not None and not out["pictures"]:
                 out["start_to_first_step_s"] = clock.first_step - START
             out["pictures"].append(row)
-            (folder / f"picture-{size}-{rep}.png").write_bytes(png)
+            if png and rep == 0:
+                (folder / f"picture-{size}.png").write_bytes(png)
             print(f"{size}x{size} #{rep}: encode {row['encode_s']:.2f} s, denoise {row['denoise_s']:.2f} s "
                   f"({row['dit_gpu_ms_per_step']:.1f} ms/step on the GPU), decode {row['decode_s']:.3f} s, "
                   f"picture {row['picture_s']:.2f} s", flush=True)
