@@ -40,7 +40,7 @@ for step in "$@"; do
            > "$OUT/ncu_source.csv" 2>&1; tail -5 "$OUT/ncu_log.txt" ;;
     gaps) $limit python3 scripts/gpu_encoder_gaps.py --out "$OUT/gaps.json" 2>&1 | tee "$OUT/gaps.txt" ;;
     dit) $limit python3 scripts/gpu_dit.py --out "$OUT/dit.json" ${DIT_ARGS:-} 2>&1 | tee "$OUT/dit.txt" ;;
-    decoder) $limit python3 scripts/gpu_decoder.py --out "$OUT" 2>&1 | tee "$OUT/decoder.txt"
+    decoder) $limit python3 scripts/gpu_decoder.py --out "$OUT" ${DECODER_ARGS:-} 2>&1 | tee "$OUT/decoder.txt"
              $limit python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decoder_gpu.py -rs -s 2>&1 | tee "$OUT/decoder_tests.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     load|picture) model=${LOAD_MODEL:-/tmp/moss-real}

@@ -79,7 +79,8 @@ class ConvCudaOps:
         """Packed latents [4C, h, w] -> [C, 2h, 2w]: BN de-normalisation (* std + mean), 2x2 unpatchify."""
         c4, h, w = latents.shape
         out = self.new((c4 // 4, 2 * h, 2 * w))
-        conv.unpack_latents(latents, std.reshape(c4), mean.reshape(c4), out, stream=self.stream)
+        conv.unpack_latents(latents, std.reshape(c4) if std.ndim == 1 else std[:, 0, 0],
+                            mean.reshape(c4) if mean.ndim == 1 else mean[:, 0, 0], out, stream=self.stream)
         return out
 
     def to_pixels(self, image):

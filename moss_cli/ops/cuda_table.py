@@ -207,7 +207,9 @@ class CudaOps(DitCudaOps, ConvCudaOps):
         return out[0]
 
     def array(self, x):
-        return self._upload(np.asarray(x, dtype=np.float32))
+        # a fresh copy: its strides are canonical (a view's size-1 axes may carry stride 0, which numba's
+        # reshape of the device array then refuses)
+        return self._upload(np.array(x, dtype=np.float32, order="C"))
 
     def host(self, x):
         """The array on the host (while capturing a graph: the device array itself, the graph's output)."""
