@@ -1,5 +1,9 @@
 """The GPU op table: the numpy table's op names over numba device arrays, and the encoder on the GPU.
 
+CudaOps holds the core ops (memory, shapes, elementwise, products, norms, attention) and takes the model
+families' ops from one mixin each, as the numpy table does: cuda_gdn (the encoder's Gated DeltaNet),
+cuda_dit (the DiT's), cuda_conv (the decoder's).
+
 Activations are float32 device arrays; matrices (linear weights, the embedding) stay bf16, held as
 uint16 bits, and each linear rounds its input to bf16 for the tensor-core product (float32 accumulate),
 unless the op before it already wrote bf16 bits (`operand=True`: norms, swiglu). Weights read together
@@ -18,15 +22,14 @@ from collections import defaultdict
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import (elementwise, embedding as emb, flash, gdn, gdn_chunk, gdn_inputs, layout, norms, prefetch,
-                          rope_attention)
+from cuda_kernels import elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
 from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, text_config
 from .cuda_conv import ConvCudaOps
 from .cuda_dit import DitCudaOps
-from .numpy_gdn import GdnOps
+from .cuda_gdn import GdnCudaOps
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -80,7 +83,7 @@ def _strides(shape):
     return tuple(reversed(out))
 
 
-class CudaOps(DitCudaOps, ConvCudaOps):
+class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
     """Same methods as NumpyOps (float32 compute), on one stream; see the module docstring."""
 
     name = "cuda"
@@ -500,61 +503,6 @@ class CudaOps(DitCudaOps, ConvCudaOps):
         out = self.new((q.shape[0], q.shape[1], v.shape[2]))
         scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
         rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
-        return out
-
-    # --- Gated DeltaNet -----------------------------------------------------------------------
-    def causal_conv1d(self, x, w, activate=False):
-        out = self.new(x.shape)
-        gdn.causal_conv1d(x, w, out, activate=activate, stream=self.stream)
-        return out
-
-    def l2_norm(self, x, eps, scale=1.0):
-        """x [.., H, d] of any strides (heads of a column block) or [R, d]."""
-        out = self.new(x.shape)
-        x3 = self._heads(x)
-        norms.l2_norm(x3, out.reshape(x3.shape), eps, scale, stream=self.stream)
-        return out
-
-    def gdn_gates(self, a, b, a_log, dt_bias):
-        g, beta = self.new(a.shape), self.new(b.shape)
-        gdn.gdn_gates(a, b, a_log, dt_bias, g, beta, stream=self.stream)
-        return g, beta
-
-    def gdn_inputs(self, mixed, conv_w, a, b, a_log, dt_bias, heads, eps):
-        """As the numpy table's (conv + silu, q/k L2 norms, gates), in one kernel (cuda_kernels.gdn_inputs)
-        where heads of dk make a block, else the separate ops."""
-        hk, dk, hv, dv = heads
-        if not (self.fuse_gdn_inputs and gdn_inputs.fits(dk)):
-            return GdnOps.gdn_inputs(self, mixed, conv_w, a, b, a_log, dt_bias, heads, eps)
-        L = mixed.shape[0]
-        q, k, v = self.new((L, hk * dk)), self.new((L, hk * dk)), self.new((L, hv * dv))
-        g, beta = self.new(a.shape), self.new(b.shape)
-        gdn_inputs.gdn_inputs(mixed, conv_w, a, b, a_log, dt_bias, q, k, v, g, beta, eps, dk ** -0.5, dk,
-                              stream=self.stream)
-        return (self.reshape(q, (L, hk, dk)), self.reshape(k, (L, hk, dk)), self.reshape(v, (L, hv, dv)), g, beta)
-
-    def gated_rms_norm(self, x, z, w, eps, operand=False):
-        """x, z [L, H, d] (z may be a strided view); bf16 bits when `operand`."""
-        out = self.new(x.shape, np.uint16 if operand else np.float32)
-        norms.gated_rms_norm(x, z, w, out, eps, stream=self.stream)
-        return out
-
-    def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
-        """Form "chunk": the chunked form on TF32 tensor cores (gdn_chunk; the serial pass's geometry
-        `delta_walk`, None for its default) from `chunk_from` tokens on, the token recurrence (gdn) below;
-        "recurrent": the recurrence.
-        Both are the same function (their contract cases hold them to the same float64 recurrence)."""
-        if form not in ("chunk", "recurrent"):
-            raise ValueError(f"unknown delta rule form {form!r}")
-        out = self.new(v.shape)
-        n, n_hk, dk = q.shape
-        if form == "recurrent" or n < self.chunk_from:
-            gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream, geometry=self.delta_geometry)
-            return out
-        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], self.delta_setup)
-        work = {name: self.new(shape) for name, shape in shapes.items()}
-        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, walk=self.delta_walk,
-                                           setup=self.delta_setup)
         return out
 
 
