@@ -1,5 +1,6 @@
 """The CUDA op table's data-movement and elementwise logic (slices, broadcasts, norms over 3-D arrays,
-RoPE, the GDN ops, the bf16 embedding, flash attention) equals the float64 numpy table, run in the CUDA simulator.
+RoPE, the GDN ops, the DiT's ops, the bf16 embedding, flash attention) equals the float64 numpy table, run in
+the CUDA simulator.
 
 The cuBLAS products (linear, the "products" attention) are checked on the GPU (tests/gpu)."""
 
@@ -140,6 +141,31 @@ for fused in (True, False):
 table = r(10, 8).astype(ml_dtypes.bfloat16)
 ids = np.array([3, 0, 9, 3])
 check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)
+# the DiT's ops (cuda_dit): bf16 operands and heads out, the float32 stream updated in place
+from numba import cuda
+from cuda_kernels.core import to_bf16_bits
+bits = cuda.to_device                           # bf16 bits as they are (d() makes float32 arrays)
+xd, wd = r(5, 32) * 2, r(32)
+shd, scd, gtd = r(1, 32) * 0.5, r(1, 32) * 0.5, r(1, 32) * 0.3
+check("norm_modulate", gpu.norm_modulate(d(xd), d(wd), 1e-6, d(shd), d(scd)),
+      ref.norm_modulate(xd, wd, 1e-6, shd, scd), 2 ** -8)
+ubits = to_bf16_bits(r(5, 32))
+xg, yg = gpu.residual_norm_modulate(d(xd), bits(ubits), d(gtd), d(wd), 1e-6, d(shd), d(scd))
+xw, yw = ref.residual_norm_modulate(xd, from_bf16_bits(ubits), gtd, wd, 1e-6, shd, scd)
+check("residual_norm_modulate stream", xg, xw, 1e-6)
+check("residual_norm_modulate operand", yg, yw, 2 ** -8)
+both = to_bf16_bits(r(3, 16) * 3)
+hid, gat = gpu.split(bits(both), (8, 8))
+check("situ of a product's halves", gpu.situ(hid, gat), ref.situ(from_bf16_bits(both)[:, :8], from_bf16_bits(both)[:, 8:]),
+      2 ** -8)
+qkv = to_bf16_bits(r(3, 96))                    # [q | k | v] of 2 heads of 16
+qd, kd, _ = gpu.split(bits(qkv), (32, 32, 32))
+wq, wk, cq, sq = r(16), r(16), np.cos(r(3, 8)), np.sin(r(3, 8))
+qg, kg = gpu.qk_norm_rope(gpu.reshape(qd, (3, 2, 16)), gpu.reshape(kd, (3, 2, 16)), d(wq), d(wk), d(cq), d(sq), 1e-6)
+wide64 = from_bf16_bits(qkv)
+qw, kw = ref.qk_norm_rope(wide64[:, :32].reshape(3, 2, 16), wide64[:, 32:64].reshape(3, 2, 16), wq, wk, cq, sq, 1e-6)
+check("qk_norm_rope q", qg, qw, 2 ** -8)
+check("qk_norm_rope k", kg, kw, 2 ** -8)
 print("all ops equal")
 '''
 
