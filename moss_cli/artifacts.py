@@ -2,6 +2,11 @@
 
 Every artifact names its stage (`moss.stage`) and the model it came from (`moss.model`, the checkpoint
 fingerprint), so a file from another stage or another model is refused with one line.
+
+The bytes are read by `safetensors_io.loads`: its header checks first (one-line reasons for truncated or corrupt
+files), then the tensors through `safetensors.numpy.load`, which reads the float32 and int32 tensors of our
+artifacts and of foreign files. They are written by `safetensors_io.dumps`, because the library's writer
+orders the metadata differently on every call and artifacts must be the same bytes run to run.
 """
 
 import hashlib
@@ -23,6 +28,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # foreign stage files (no moss metadata): the tensors a file must hold to stand in for a stage's artifact
 FOREIGN_TENSORS = {"encode": ("prompt_rows", "prompt_ids"), "denoise": ("latents",)}
 WIDENED = ("float16", "bfloat16")   # float dtypes a foreign file may use: widened to float32 exactly
+# (a foreign file with a BF16 tensor is read by safetensors_io's own reader, as ml_dtypes.bfloat16:
+# safetensors.numpy.load cannot read BF16, numpy having no such dtype)
 
 
 def kind(stage):

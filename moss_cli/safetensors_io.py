@@ -1,8 +1,24 @@
-"""Safetensors files without torch: memory-mapped reading, deterministic writing.
+"""Safetensors files: the library reads artifact bytes; memory-mapped reading and deterministic writing here.
 
 Format: 8-byte little-endian header length N, N bytes of JSON ({name: {dtype, shape, data_offsets}},
 optional "__metadata__" of strings), then the data buffer that the offsets index, with no holes.
 BF16 tensors come back as `ml_dtypes.bfloat16` arrays, every other dtype as plain numpy.
+
+What the safetensors library (0.8.0, measured) does and does not do here:
+- `loads` (artifact bytes: ENC, LAT, TRACE, foreign files) reads tensors with `safetensors.numpy.load` when
+  every dtype is a numpy one. Files holding BF16 or F8 tensors are read here: that loader raises
+  KeyError('BF16') on them (numpy has no bf16; its dtype table stops at the numpy types).
+- The header is still parsed and checked here, before the library sees the bytes: the library has no way
+  to get metadata from bytes (`safe_open` takes only a file name, `deserialize` returns the tensors only),
+  and these checks say in one line which tensor is truncated, overlapping or misdescribed.
+- `load` (checkpoints) returns read-only views of a memory map. `safe_open(path, "numpy").get_tensor` does
+  read BF16, but into a copy: a 400 MB bf16 tensor raised the process's RSS by ~760 MB, where the map
+  costs nothing until pages are touched; a checkpoint is ~27 GB.
+- `dumps` writes the bytes itself. `safetensors.numpy.save` writes "__metadata__" in the order of a Rust
+  hash map that is seeded anew on every call: 10 calls in one process with the same 6 metadata keys gave
+  10 different byte strings (PYTHONHASHSEED does not fix it). Artifacts must be the same bytes run to run,
+  and the checkpoint fingerprint hashes headers written here; making the library's output deterministic
+  would mean re-serialising the header it wrote. Its reader reads these files back (tests check it).
 """
 
 import json
@@ -26,6 +42,7 @@ DTYPES = {
     "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+LIBRARY_DTYPES = frozenset(DTYPES)   # the dtypes safetensors.numpy.load reads (before ml_dtypes adds BF16, F8)
 
 
 def _with_ml_dtypes():
@@ -57,8 +74,23 @@ def load(path):
 
 
 def loads(data):
-    """(tensors, metadata) from the bytes of a safetensors file; the arrays share `data`."""
-    return _tensors(memoryview(data).cast("B"))
+    """(tensors, metadata) from the bytes of a safetensors file, the header checked here.
+
+    Tensors of numpy dtypes come from `safetensors.numpy.load` (writable copies); a file with a BF16 or F8
+    tensor, which that loader cannot read, is read here as arrays sharing `data`.
+    """
+    buffer = memoryview(data).cast("B")
+    n = _header_length(bytes(buffer[:8]), len(buffer))
+    entries = _parse(bytes(buffer[8:8 + n]), len(buffer) - 8 - n)
+    if any(e["dtype"] not in LIBRARY_DTYPES for name, e in entries.items() if name != "__metadata__"):
+        return _tensors(buffer)
+    import safetensors
+    import safetensors.numpy
+    try:
+        tensors = safetensors.numpy.load(data if type(data) is bytes else bytes(buffer))
+    except (safetensors.SafetensorError, ValueError, KeyError) as e:
+        raise SafetensorsError(f"the safetensors library cannot read it ({e})") from None
+    return tensors, entries.get("__metadata__") or {}
 
 
 def header(path):

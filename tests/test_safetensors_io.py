@@ -2,6 +2,7 @@
 
 import json
 import mmap
+import os
 import subprocess
 import sys
 
@@ -159,7 +160,69 @@ def test_float32_files_do_not_import_ml_dtypes(tmp_path):
     """ml_dtypes takes about a second to import; LAT, ENC and VAE files need none of it."""
     path = tmp_path / "f32.safetensors"
     save(path, {"latents": np.zeros((1, 128, 2, 2), np.float32)})
-    code = ("import sys; from moss_cli.safetensors_io import load; "
-            f"t, _ = load({str(path)!r}); print(t['latents'].shape, 'ml_dtypes' in sys.modules)")
+    code = ("import sys, pathlib; from moss_cli.safetensors_io import load, loads; "
+            f"t, _ = load({str(path)!r}); u, _ = loads(pathlib.Path({str(path)!r}).read_bytes()); "
+            "print(t['latents'].shape, u['latents'].shape, 'ml_dtypes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["(1,", "128,", "2,", "2)", "False"]
+    assert out.split() == ["(1,", "128,", "2,", "2)"] * 2 + ["False"]
+
+
+def test_loads_reads_numpy_dtypes_through_the_library(monkeypatch):
+    """Artifact bytes (float32, int32, ...) are read by safetensors.numpy.load; BF16 ones, which it cannot
+    read (KeyError 'BF16'), by our reader."""
+    import safetensors.numpy
+    calls = []
+    real = safetensors.numpy.load
+    monkeypatch.setattr(safetensors.numpy, "load", lambda data: calls.append(len(data)) or real(data))
+    plain = {k: v for k, v in sample().items() if v.dtype != BF16}
+    data = dumps(plain, {"moss.stage": "encode"})
+    tensors, meta = loads(data)
+    assert calls == [len(data)] and meta == {"moss.stage": "encode"}
+    assert {k: (v.dtype, v.shape, v.tobytes()) for k, v in tensors.items()} == \
+        {k: (v.dtype, v.shape, v.tobytes()) for k, v in plain.items()}
+    with pytest.raises(KeyError, match="BF16"):
+        real(dumps(sample()))
+    tensors, _ = loads(dumps(sample()))
+    assert calls == [len(data)]                  # not called for the file with a BF16 tensor
+    assert tensors["layers.0.w"].dtype == BF16 and tensors["layers.0.w"].tobytes() == sample()["layers.0.w"].tobytes()
+
+
+def test_broken_headers_keep_our_messages_before_the_library_sees_them(monkeypatch):
+    import safetensors.numpy
+    monkeypatch.setattr(safetensors.numpy, "load", lambda data: pytest.fail("library called on a broken file"))
+    for data, words in BROKEN.values():
+        with pytest.raises(SafetensorsError, match=words):
+            loads(data)
+
+
+ARTIFACT_WRITER = """
+import sys
+import numpy as np
+from moss_cli.artifacts import build
+rng = np.random.default_rng(1)
+tensors = {"prompt_rows": rng.normal(size=(5, 8)).astype(np.float32), "prompt_ids": np.arange(5, dtype=np.int32),
+           "negative_rows": rng.normal(size=(2, 8)).astype(np.float32), "negative_ids": np.arange(2, dtype=np.int32)}
+meta = {"prompt": "a red fox", "negative": "", "seed": 5, "steps": 3, "width": 64, "height": 48, "z": "last"}
+sys.stdout.buffer.write(build("encode", tensors, meta, "f" * 64))
+"""
+
+
+def test_artifact_bytes_are_identical_across_processes_and_read_by_the_library(tmp_path):
+    """The reason dumps is ours: the same artifact written by separate processes is the same bytes (the
+    library's save orders metadata by a hash map seeded per call), and the library reads it back."""
+    import safetensors
+    import safetensors.numpy
+    outs = [subprocess.run([sys.executable, "-c", ARTIFACT_WRITER], capture_output=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in (0, 1, 2)]
+    assert outs[0] and outs[0] == outs[1] == outs[2]
+    ours, meta = loads(outs[0])
+    lib = safetensors.numpy.load(outs[0])
+    assert sorted(lib) == sorted(ours)
+    for name, value in ours.items():
+        assert lib[name].dtype == value.dtype and lib[name].tobytes() == value.tobytes()
+    path = tmp_path / "p.enc"
+    path.write_bytes(outs[0])
+    with safetensors.safe_open(str(path), "numpy") as f:
+        assert f.metadata() == meta
+    assert meta["moss.stage"] == "encode" and meta["seed"] == "5"
