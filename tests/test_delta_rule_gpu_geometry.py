@@ -4,10 +4,10 @@ geometry (256-thread blocks, 16-token tiles, token by token; 21 tokens at dk = 1
 tile, then a part tile; each simulated thread-step costs ~0.2 ms, so no more tokens than that) fitted to dk = 16
 and to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, with two state columns a thread,
 and the chunked form
-with 64-token chunks, 16-row solve blocks, the fused setup (gdn_setup) in 4 warps and the tile walk's
-16-column, 128-thread blocks (dk = 32; 70 tokens: a part chunk), and with dk = 8, the fused setup's 256
-threads and the strip walk's 32 columns on 256 threads (the tiny checkpoint's key dim, half the GPU
-default's threads: the simulator's mma statement takes at most 256). The staged setup is checked by its
+with 64-token chunks, 16-row solve blocks, with dk = 8 (70 tokens: a whole chunk and a part one), the fused
+setup's 256 threads and the strip walk's 32 columns on 256 threads (the tiny checkpoint's key dim, half the
+GPU default's threads: the simulator's mma statement takes at most 256). The tile walk, not the default, is
+checked by its contract case at the simulator's size. The staged setup is checked by its
 contract case at the simulator's size. In the
 simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
 
@@ -73,9 +73,6 @@ SCRIPTS = {
     # two state columns a thread at a GPU geometry (128 threads; 21 tokens: a tile and a part one); the
     # contract's simulator geometry runs two columns in groups of 2
     "recurrence 2 columns": INPUTS.format(n=21, dk=16) + RECURRENT.format(geometry=(8, 128, 16, 1, 2)),
-    # the fused setup in 4 warps, strips of 2 n tiles: whole row blocks per warp, so [U | W] skips T's
-    # zero blocks (the triangular steps the GPU takes)
-    "chunked": INPUTS.format(n=70, dk=32) + CHUNKED.format(walk=(16, 128), setup=(128, 2), form="fused"),
     # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16;
     # the fused setup at its GPU geometry, 256 threads and strips of 4 n tiles; the strip walk (the GPU
     # default's variant and columns, half its threads): step (1)'s k halves, step (2)'s dummy warps
