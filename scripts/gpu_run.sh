@@ -7,7 +7,9 @@
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
-# (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS).
+# (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS), tables (BENCHMARKS.md's
+# tables from this run's outputs: scripts/bench_tables.py). The benchmark run in one call:
+#   bash scripts/gpu_run.sh encoder dit decoder load picture tables
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -53,6 +55,7 @@ for step in "$@"; do
           else
             $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture.json" ${PICTURE_ARGS:-} 2>&1 | tee "$OUT/picture.txt"
           fi ;;
+    tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   rc=$?

@@ -1,0 +1,132 @@
+"""BENCHMARKS.md's tables from one device run's raw outputs: per stage (encoder, DiT step, decoder) and the
+whole picture, each row ours vs the torch baseline vs the floor where the run measured one.
+
+    bash scripts/gpu_run.sh encoder dit decoder load picture tables     # on the H200, one call
+    python scripts/bench_tables.py DIR [--out tables.md]                 # DIR: that run's $OUT
+
+Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json and picture.json DIR holds; a missing
+one leaves its table out. Figures are printed as measured (no rounding beyond the column's digits).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _load(folder, name):
+    path = Path(folder) / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _ratio(base, ours):
+    return f"{base / ours:.2f}" if isinstance(base, (int, float)) and ours else ""
+
+
+def encoder(d):
+    rows = []
+    for n, s in sorted(d["speed"].items(), key=lambda kv: int(kv[0])):
+        base = s.get("transformers_bf16_ms")
+        rows.append([f"encode, {n} tokens", f"{s['ours_into_pinned_ms']:.2f} ms", f"{base:.1f} ms" if base else "",
+                     f"{s['floor_ms']:.2f} ms" if "floor_ms" in s else "", _ratio(base, s["ours_into_pinned_ms"])])
+    return ["### Encoder (Qwen3.5-9B)", ""] + _table(["figure", "ours", "transformers bf16", "floor", "baseline / ours"],
+                                                     rows)
+
+
+def dit(d):
+    rows = []
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        rows.append([f"step with CFG, {size}x{size}", f"{s['ours_ms']:.1f} ms", f"{s['torch_bf16_ms']:.1f} ms",
+                     f"{s['floor_ms']:.1f} ms", _ratio(s["torch_bf16_ms"], s["ours_ms"])])
+    acc = d.get("accuracy_1024")
+    if acc:
+        rows.append(["CFG velocity vs float64, 1024x1024 (rel. L2)", f"{acc['ours_rel_l2']:.3g}",
+                     f"{acc['torch_bf16_rel_l2']:.3g}", "", _ratio(acc["torch_bf16_rel_l2"], acc["ours_rel_l2"])])
+    att = d.get("attention_4396")
+    if att:
+        ours = att.get("ours_cudnn_frontend_graph_ms", att.get("ours_cudnn_frontend_ms"))
+        best = min(t for t in att["torch"].values() if isinstance(t, (int, float)))
+        rows.append(["attention alone, 4396 tokens", f"{ours:.3f} ms", f"{best:.3f} ms (torch's fastest)", "",
+                     _ratio(best, ours)])
+    head = ["figure", "ours", f"torch {d.get('torch', '')} bf16 eager", "floor (products at the measured rate)",
+            "baseline / ours"]
+    return [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
+
+
+def decoder(d):
+    rows = []
+    for size, s in d["sizes"].items():
+        if "ours_ms" not in s:
+            rows.append([size, s.get("error", "not measured"), "", ""])
+            continue
+        rows.append([f"decode, {size}", f"{s['ours_ms']:.1f} ms, {s['ours_vs_float64']['percent_off']:.3g} % off",
+                     f"{s['torch_fp32_ms']:.1f} ms, {s['torch_fp32_vs_float64']['percent_off']:.3g} % off",
+                     f"{s['torch_tf32_ms']:.1f} ms, {s['torch_tf32_vs_float64']['percent_off']:.3g} % off"])
+    return ["### Decoder (pixels off by one vs float64)", ""] + _table(["figure", "ours", "torch fp32", "torch TF32"],
+                                                                      rows)
+
+
+def load(d):
+    rows = [[r["mode"], f"{r['since_process_start_s']:.2f} s", f"{r['gb']:.2f} GB", f"{r['gb_per_s']:.1f} GB/s"]
+            for r in d["runs"]]
+    return ["### Loading (process start to every weight on the GPU)", ""] + _table(
+        ["run", "seconds", "moved", "upload rate"], rows)
+
+
+def picture(d, dit_json=None, decoder_json=None):
+    rows = []
+    for p in d["pictures"]:
+        size = p["size"]
+        base = ""
+        if dit_json and str(size) in dit_json.get("sizes", {}):
+            base = f"DiT {dit_json['sizes'][str(size)]['torch_bf16_ms']:.0f} ms a step"
+        if decoder_json and f"{size}x{size}" in decoder_json.get("sizes", {}):
+            dec = decoder_json["sizes"][f"{size}x{size}"]
+            if "torch_fp32_ms" in dec:
+                base += f"{', ' if base else ''}decoder fp32 {dec['torch_fp32_ms']:.0f} ms"
+        rows.append([f"{size}x{size} #{p['repeat']}", f"{p['encode_s']:.2f} s", f"{p['denoise_s']:.2f} s",
+                     f"{p['decode_s']:.3f} s", f"{p['picture_s']:.2f} s", base])
+    head = ["picture", "encode", "denoise", "decode", "total", "baseline (same run)"]
+    lines = ["### Whole picture", "", f"Weights on the GPU {d['start_to_loaded_s']:.1f} s after process start; "
+             f"first denoising step at {d.get('start_to_first_step_s', float('nan')):.1f} s; "
+             f"{d['device_memory_in_use_GB']:.1f} GB of device memory in use.", ""]
+    if d.get("decode_errors"):
+        lines += [f"Decode failed: {d['decode_errors'][0]}", ""]
+    return lines + _table(head, rows)
+
+
+def tables(folder):
+    parts = []
+    enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
+                                                         "picture.json"))
+    if enc:
+        parts += encoder(enc) + [""]
+    if dj:
+        parts += dit(dj) + [""]
+    if dec:
+        parts += decoder(dec) + [""]
+    if ld:
+        parts += load(ld) + [""]
+    if pic:
+        parts += picture(pic, dj, dec) + [""]
+    return "\n".join(parts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    text = tables(args.folder)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
