@@ -33,8 +33,8 @@ class CudaDenoiser:
         self.timings = {}
 
     def upload(self):
-        """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager step on a
-        one-token image and a one-token text."""
+        """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager pass on a 2x2-token
+        image and an 8-token text."""
         text = self.prepare_text(np.zeros((8, self.config["text_dim"]), np.float32))
         self.model.velocity(np.zeros((1, self.config["latent_channels"], 2, 2), np.float32), 1000.0, text)
         cuda.synchronize()
@@ -43,16 +43,13 @@ class CudaDenoiser:
         """The text refiner on one prompt's rows (eager: once per prompt)."""
         return self.model.prepare_text(rows)
 
-    def velocity(self, latents, timestep, text, skip_layers=frozenset()):
-        """One eager pass, host in and out (per-pass checks)."""
-        return self.model.velocity(latents, timestep, text, skip_layers)
-
     # --- the step graph --------------------------------------------------------------------
-    def _step(self, x, step, cond, uncond, skip, cfg, velocity):
-        """The ops of one step on latents x [C, n] (device, updated in place); `step` the device scalars."""
+    def _step(self, size, x, step, cond, uncond, skip, cfg, velocity):
+        """The ops of one step on latents x [C, h w] (device, updated in place) of size (h, w); `step` the
+        device scalars."""
         ops, model = self.ops, self.model
         freq, ch = self.config["freq_dim"], self.config["latent_channels"]
-        h, w = self._size
+        h, w = size
         n = h * w
         mod, head = model.conditioning(step[:freq].reshape(1, freq))
         tokens = ops.new((n, ch), np.uint16)
@@ -65,13 +62,14 @@ class CudaDenoiser:
             u = model.tokens_velocity(tokens, n, mod, head, cos, sin, uncond, skip)
         dit.cfg_euler(x, c, u, velocity, step[freq:], cfg=cfg, stream=ops.stream)
 
-    def _graph(self, key, x, step, cond, uncond, skip, cfg, velocity):
+    def _graph(self, key, size, x, step, cond, uncond, skip, cfg, velocity):
         if key not in self._graphs:
             scratch = cuda.device_array_like(x)
             scratch.copy_to_device(x)
-            self._step(scratch, step, cond, uncond, skip, cfg, velocity)    # compiles, plans, fills the pool
+            self._step(size, scratch, step, cond, uncond, skip, cfg, velocity)   # compiles, plans, fills the pool
             cuda.synchronize()
-            graph, stream, _ = capture(self.ops, lambda: self._step(x, step, cond, uncond, skip, cfg, velocity))
+            graph, stream, _ = capture(self.ops,
+                                       lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
             if self._stream is None:
                 self._stream = stream        # every graph replays on this one stream, in step order
             self._graphs[key] = (graph, self.ops.kept, cond, uncond)   # the texts' buffers stay alive with it
@@ -97,7 +95,6 @@ class CudaDenoiser:
         cfg = float(guidance) != 1.0
         skip = check_layers(skip_layers, self.num_layers)
         _, ch, h, w = noise.shape
-        self._size = (h, w)
         freq = self.config["freq_dim"]
         table = np.zeros((steps, freq + 2), np.float32)
         for i, t in enumerate(timesteps(sigmas)):
@@ -109,21 +106,19 @@ class CudaDenoiser:
         step.copy_to_device(table_d[0])
         x.copy_to_device(np.ascontiguousarray(noise, np.float32).reshape(ch, h * w))
         lengths = (cond.length, uncond.length if cfg else 0)
+        # each step's pass kind: the blocks its negative pass skips (none outside the window, or without CFG)
+        kinds = [skip if cfg and skip_start <= i / steps < skip_stop else frozenset() for i in range(steps)]
         graphs = {}
-        for i in range(steps):
-            active = cfg and skip and skip_start <= i / steps < skip_stop
-            kind = frozenset(skip) if active else frozenset()
+        for kind in kinds:
             if kind not in graphs:
                 key = (ch, h, w, lengths, cfg, kind, id(cond), id(uncond))
-                graphs[kind] = self._graph(key, x, step, cond, uncond, kind, cfg, velocity)
-        self._last = graphs
+                graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity)
         began = time.perf_counter()
         start, stop = cuda.event(), cuda.event()
         stream = self._stream
         queue = numba_stream(stream)
         for i in range(steps):
-            active = cfg and skip and skip_start <= i / steps < skip_stop
-            graph = graphs[frozenset(skip) if active else frozenset()]
+            graph = graphs[kinds[i]]
             latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
             step.copy_to_device(table_d[i], stream=queue)
             if i == 0:
