@@ -3,7 +3,11 @@
 Importing this module imports numba.cuda; the simulator is chosen by NUMBA_ENABLE_CUDASIM=1 before that.
 """
 
+import hashlib
+import os
+import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -21,12 +25,56 @@ EPS32 = float(np.finfo(np.float32).eps) / 2      # unit roundoff of float32
 EPS16 = 2.0 ** -8                                # unit roundoff of bfloat16
 
 
+def _cache_dir():
+    """Where compiled kernels are kept between processes: NUMBA_CACHE_DIR when set, else a folder named by a
+    hash of this package's sources. numba keys a cached kernel by its own file's time stamp only, so an edit
+    to a device function in another module would reuse a stale kernel; the hash makes any edit a new folder.
+    MOSS_KERNEL_CACHE=0 turns the cache off."""
+    if os.environ.get("MOSS_KERNEL_CACHE", "1") == "0":
+        return None
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return os.environ["NUMBA_CACHE_DIR"]
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(root / "moss-cli" / "kernels" / digest.hexdigest()[:16])
+
+
+CACHE_DIR = None if SIMULATED else _cache_dir()
+if CACHE_DIR:
+    from numba.cuda.core import config as _cuda_config
+    _cuda_config.CACHE_DIR = CACHE_DIR
+
+
+def _cached(dispatcher):
+    """Keep the kernel's compiled code on disk; a kernel numba cannot pickle (linked code) is compiled each
+    process instead of failing."""
+    if not CACHE_DIR or getattr(dispatcher, "targetoptions", {}).get("device"):
+        return dispatcher
+    dispatcher.enable_caching()
+    cache, save = dispatcher._cache, dispatcher._cache.save_overload
+
+    def save_or_skip(sig, data):
+        try:
+            save(sig, data)
+        except (RuntimeError, TypeError, OSError, pickle.PicklingError):
+            pass
+    cache.save_overload = save_or_skip
+    return dispatcher
+
+
 def jit(*args, **kwargs):
-    """numba.cuda.jit that drops the keyword arguments the simulator does not accept."""
+    """numba.cuda.jit that drops the keyword arguments the simulator does not accept, and keeps kernels'
+    compiled code on disk (_cache_dir)."""
     if SIMULATED:
         for key in _GPU_ONLY_KWARGS:
             kwargs.pop(key, None)
-    return cuda.jit(*args, **kwargs)
+        return cuda.jit(*args, **kwargs)
+    if args and callable(args[0]):
+        return _cached(cuda.jit(*args, **kwargs))
+    decorate = cuda.jit(*args, **kwargs)
+    return lambda func: _cached(decorate(func))
 
 
 def allow_shared(kernel, args, nbytes):

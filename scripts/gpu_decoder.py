@@ -7,6 +7,11 @@ normal latents. For each image size: our decode (median of CUDA-event-timed grap
 the torch statement (scripts/reference/vae_decoder.py, checked against diffusers and moss_cli in the CPU
 tests) in float32 with and without TF32 convolutions, and the share of uint8 values each puts off the
 float64 decode of the same statement on the GPU (plus our raw output's max abs error against it).
+
+    python scripts/gpu_decoder.py --ops 1024     # each op's own error, to find where an excess comes from
+
+--ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
+inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
 """
 
 import argparse
@@ -84,14 +89,79 @@ def ours_ms(dec, latents, calls):
     return statistics.median(times)
 
 
+def _op_errors(dec, latents):
+    """{op kind: [calls, worst relative L2 error, worst max-abs error / max |reference|]} of one eager decode,
+    each op against torch float64 on its own inputs."""
+    import torch
+    import torch.nn.functional as F
+    from numba import cuda
+    from moss_cli.ops.cuda_conv import Upsampled
+
+    ops, worst = dec.ops, {}
+
+    def t64(a):
+        if isinstance(a, Upsampled):
+            return F.interpolate(t64(a.x)[None], scale_factor=2.0, mode="nearest")[0]
+        return torch.as_tensor(a, device="cuda").double()
+
+    def check(kind, out, ref):
+        cuda.synchronize()
+        got = t64(out)
+        err = float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
+        peak = float((got - ref).abs().max() / ref.abs().max())
+        row = worst.setdefault(kind, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1], row[2] = max(row[1], err), max(row[2], peak)
+
+    references = {
+        "conv2d": lambda x, w, b=None, padding=0: F.conv2d(t64(x)[None], t64(w), None if b is None else t64(b),
+                                                         padding=padding)[0],
+        "group_norm": lambda x, groups, w, b, eps: F.group_norm(t64(x)[None], groups, t64(w), t64(b), eps)[0],
+        "silu": lambda x: F.silu(t64(x)),
+        "add": lambda a, b: t64(a) + t64(b),
+        "split_linear": lambda x, w, b=None: F.linear(t64(x), t64(w), None if b is None else t64(b)),
+        "split_attention": lambda q, k, v, scale: torch.softmax(
+            scale * t64(q)[:, 0] @ t64(k)[:, 0].T, -1).matmul(t64(v)[:, 0])[:, None],
+        "unpack_latents": lambda x, std, mean: (t64(x) * t64(std).reshape(-1, 1, 1) + t64(mean).reshape(-1, 1, 1))
+        .reshape(-1, 2, 2, x.shape[1], x.shape[2]).permute(0, 3, 1, 4, 2).reshape(-1, 2 * x.shape[1], 2 * x.shape[2]),
+    }
+    for kind, reference in references.items():
+        def wrapped(*args, _run=getattr(ops, kind), _kind=kind, _ref=reference, **kwargs):
+            out = _run(*args, **kwargs)
+            if _kind == "conv2d":
+                label = f"conv2d {args[1].shape[2]}x{args[1].shape[3]} {args[1].shape[1]}->{args[1].shape[0]}"
+            else:
+                label = _kind
+            check(label, out, _ref(*args, **kwargs))
+            return out
+        setattr(ops, kind, wrapped)
+    try:
+        d = dec.decoder
+        d.decode_image(ops.unpack_latents(ops.array(latents[0]), d.bn_std, d.bn_mean))
+    finally:
+        for kind in references:
+            delattr(ops, kind)
+    return worst
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_out"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.ops:
+        from moss_cli.ops.cuda_decoder import CudaDecoder
+        h = args.ops // 16
+        latents = np.random.default_rng(args.seed + args.ops).standard_normal((1, 128, h, h)).astype(np.float32)
+        worst = _op_errors(CudaDecoder(random_tensors(SMALL, args.seed), SMALL, graphs=False), latents)
+        for kind, (calls, err, peak) in sorted(worst.items(), key=lambda kv: -kv[1][1]):
+            print(f"{kind:28s} {calls:3d} calls  rel L2 {err:.3g}  max abs / max |ref| {peak:.3g}")
+        (args.out / "decoder_ops.json").write_text(json.dumps({"size": args.ops, "ops": worst}, indent=1))
+        return 0
 
     import torch
     from reference import vae_decoder

@@ -5,6 +5,8 @@ without its skipped blocks, the CFG combination and the Euler update) is one CUD
 
 A step reads its scalars (the time sinusoid, dt, the guidance) from a small device buffer that one
 device-to-device copy refreshes before each replay, from a table of every step's values made up front.
+It reads the refined texts from fixed buffers, one per (pass, length), into which each trajectory copies its
+prompt's tokens first: a new prompt of a length seen before replays the graphs already captured.
 """
 
 import time
@@ -15,7 +17,7 @@ from numba import cuda
 from cuda_kernels import dit
 
 from ..schedule import timesteps
-from ..transformer import MossTransformer, check_layers, time_sinusoid
+from ..transformer import MossTransformer, Text, check_layers, time_sinusoid
 from .cuda_table import CudaOps, capture, numba_stream
 
 
@@ -30,6 +32,7 @@ class CudaDenoiser:
         self._graphs = {}
         self._stream = None
         self._fixed = {}
+        self._slots = {}
         self.timings = {}
 
     def upload(self):
@@ -72,8 +75,18 @@ class CudaDenoiser:
                                        lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
             if self._stream is None:
                 self._stream = stream        # every graph replays on this one stream, in step order
-            self._graphs[key] = (graph, self.ops.kept, cond, uncond)   # the texts' buffers stay alive with it
+            self._graphs[key] = (graph, self.ops.kept)
         return self._graphs[key][0]
+
+    def _slot(self, role, text):
+        """The fixed buffer the graphs read the `role` pass's text of this length from, holding `text`."""
+        shape, dtype = tuple(text.tokens.shape), np.dtype(text.tokens.dtype)
+        key = (role, shape, dtype.str)
+        if key not in self._slots:
+            self._slots[key] = Text(cuda.device_array(shape, dtype), text.length)
+        slot = self._slots[key]
+        slot.tokens.copy_to_device(text.tokens)
+        return slot
 
     def _buffers(self, ch, h, w):
         """The latents, the step's scalars and the velocity: fixed per size, as the graphs read them."""
@@ -105,18 +118,22 @@ class CudaDenoiser:
         x, step, velocity = self._buffers(ch, h, w)
         step.copy_to_device(table_d[0])
         x.copy_to_device(np.ascontiguousarray(noise, np.float32).reshape(ch, h * w))
+        cond = self._slot("cond", cond)
+        uncond = self._slot("uncond", uncond) if cfg else cond
+        cuda.synchronize()        # the tokens are in place before any replay reads them
         lengths = (cond.length, uncond.length if cfg else 0)
         # each step's pass kind: the blocks its negative pass skips (none outside the window, or without CFG)
         kinds = [skip if cfg and skip_start <= i / steps < skip_stop else frozenset() for i in range(steps)]
         graphs = {}
         for kind in kinds:
             if kind not in graphs:
-                key = (ch, h, w, lengths, cfg, kind, id(cond), id(uncond))
+                key = (ch, h, w, lengths, cfg, kind)
                 graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity)
         began = time.perf_counter()
         start, stop = cuda.event(), cuda.event()
         stream = self._stream
         queue = numba_stream(stream)
+        done = [cuda.event(timing=False) for _ in range(2)]
         for i in range(steps):
             graph = graphs[kinds[i]]
             latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
@@ -127,14 +144,25 @@ class CudaDenoiser:
             graph.launch(stream)
             if i == 0:
                 launch_s = time.perf_counter() - first
-            if on_step is not None:
-                v = velocity.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
+            if on_step is None:
+                continue
+            if arrays:           # a trace: this step's velocity, copied out before the next step overwrites it
+                v = velocity.copy_to_host(stream=queue).reshape(1, ch, h, w)
                 queue.synchronize()
                 on_step(i, sigmas[i], latents_in, v)
+                continue
+            # progress only: report step i - 1 once it is done, with step i already queued behind it, so
+            # the GPU never waits for the host between steps
+            done[i % 2].record(queue)
+            if i > 0:
+                done[(i - 1) % 2].synchronize()
+                on_step(i - 1, sigmas[i - 1], None, None)
         stop.record(queue)
         queued = time.perf_counter()
         out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
         queue.synchronize()
+        if on_step is not None and not arrays and steps:
+            on_step(steps - 1, sigmas[steps - 1], None, None)
         # launch_s: the host's cost of one step (its graph launch on an idle queue); later launches wait for
         # room in the launch queue while the GPU works, so the loop's time (queue_s) follows the GPU's
         self.timings = {"steps": steps, "gpu_s": cuda.event_elapsed_time(start, stop) / 1e3, "launch_s": launch_s,

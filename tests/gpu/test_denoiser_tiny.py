@@ -38,12 +38,17 @@ def _cpu_velocity(model, x, t, cond, uncond, skip, guidance=3.0):
     return guided(np.asarray(c, np.float32), np.asarray(u, np.float32), guidance)
 
 
-def _gpu_trace(component, h, w, steps=4):
+def _denoiser(component):
     from moss_cli.ops.cuda_denoiser import CudaDenoiser
-    from moss_cli.schedule import sigmas
     dit = CudaDenoiser(component.tensors, component.config)
     dit.upload()
-    cond, uncond = dit.prepare_text(_rows(7, 1)), dit.prepare_text(_rows(5, 2))
+    return dit
+
+
+def _gpu_trace(component, h, w, steps=4, dit=None, seeds=(1, 2)):
+    from moss_cli.schedule import sigmas
+    dit = dit or _denoiser(component)
+    cond, uncond = dit.prepare_text(_rows(7, seeds[0])), dit.prepare_text(_rows(5, seeds[1]))
     noise = np.random.default_rng(h * w).standard_normal((1, 128, h, w)).astype(np.float32)
     sig = sigmas(steps, shift=3.0)
     trace = []
@@ -93,3 +98,17 @@ def test_two_trajectories_are_byte_identical(component):
     _, _, a = _gpu_trace(component, 4, 4)
     _, _, b = _gpu_trace(component, 4, 4)
     assert a.tobytes() == b.tobytes()
+
+
+def test_a_new_prompt_of_the_same_lengths_replays_the_captured_graphs(component):
+    """The graphs read the texts from fixed buffers: the second prompt captures nothing new, and its latents
+    equal those of a fresh denoiser's (so no state of the first prompt leaks into the second); its own
+    latents differ from the first prompt's (so the new tokens did reach the graphs)."""
+    dit = _denoiser(component)
+    _, _, first = _gpu_trace(component, 4, 4, dit=dit)
+    graphs = len(dit._graphs)
+    _, _, second = _gpu_trace(component, 4, 4, dit=dit, seeds=(3, 4))
+    assert len(dit._graphs) == graphs
+    _, _, fresh = _gpu_trace(component, 4, 4, seeds=(3, 4))
+    assert second.tobytes() == fresh.tobytes()
+    assert first.tobytes() != second.tobytes()
