@@ -221,15 +221,17 @@ def step_flops(cfg, tokens, text, layers_run):
 
 
 def profile_step(dit, cond, uncond):
-    """Kernels of one 1024x1024 CFG step (graph replay) under CUPTI (torch.profiler): total ms per name."""
+    """Kernels of two 1024x1024 CFG steps (graph replays) under CUPTI (torch.profiler): total ms per name."""
     from torch.profiler import ProfilerActivity, profile
     noise = np.zeros((1, 128, 64, 64), np.float32)
     sig = schedule_sigmas(3, shift=5.0)
     dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.01, 1.0)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        dit.sample(noise, sig[1:3], cond, uncond, 3.0, SKIP, 0.0, 1.0)
+        dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.0, 1.0)       # two steps: the idle time between them
         torch.cuda.synchronize()
-    spans = [(e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type.name == "CUDA"]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type.name == "CUDA")
+    idle = sorted(((b[0] - a[1]) / 1e3, a[2][:40], b[2][:40]) for a, b in zip(spans, spans[1:]))[-6:]
+    print("longest idle gaps (ms, after, before):", idle)
     totals = {}
     for a, b, name in spans:
         key = name[:60]
@@ -237,10 +239,11 @@ def profile_step(dit, cond, uncond):
         totals[key] = (n + 1, t + (b - a) / 1e3)
     span = (max(b for _, b, _ in spans) - min(a for a, _, _ in spans)) / 1e3
     rows = sorted(totals.items(), key=lambda kv: -kv[1][1])
-    print(f"profile of one 1024 step: span {span:.1f} ms, kernels {sum(t for _, (n, t) in rows):.1f} ms")
+    print(f"profile of two 1024 steps: span {span:.1f} ms, kernels {sum(t for _, (n, t) in rows):.1f} ms")
     for name, (n, t) in rows[:25]:
         print(f"  {t:8.2f} ms  {n:5d}x  {name}")
-    return {"span_ms": span, "kernels": {k: {"count": n, "ms": t} for k, (n, t) in rows[:40]}}
+    return {"span_ms": span, "steps": 2, "idle_gaps": idle,
+            "kernels": {k: {"count": n, "ms": t} for k, (n, t) in rows[:40]}}
 
 
 def main():

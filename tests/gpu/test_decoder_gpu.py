@@ -69,3 +69,32 @@ def test_decoder_raw_output_is_float32_accurate(component, decoder):
     err = np.abs(got - ref).max() / np.abs(ref).max()
     print(f"raw relative error {err:.3g}")
     assert err <= 2e-5
+
+
+def _small_decode_off(size, seed=0):
+    """The share of uint8 values off the float64 decode (torch on the GPU) for the small decoder at size x size,
+    random weights of realistic scale (scripts/gpu_decoder.py's)."""
+    import torch
+    from gpu_decoder import SMALL, random_tensors
+    from reference import vae_decoder
+    from moss_cli.ops.cuda_decoder import CudaDecoder
+    tensors = random_tensors(SMALL, seed)
+    latents = np.random.default_rng(seed + size).standard_normal((1, 128, size // 16, size // 16)).astype(np.float32)
+    ours = CudaDecoder(tensors, SMALL).decode(latents)
+    with torch.no_grad():
+        ref = vae_decoder.decode(vae_decoder.weights(tensors, torch.float64, "cuda"), SMALL,
+                                 torch.from_numpy(latents).cuda().double())
+    return _off(ours, vae_decoder.to_pixels(ref))
+
+
+def test_realistic_size_pixels_within_the_contract_and_unsliced_products_fail_it(monkeypatch):
+    """At 1024x1024 (K up to 49152 in the attention's P.V), at most 0.1% of values off by one against float64;
+    the planted control: one accumulation over the whole K (no slices) puts more than that off."""
+    from cuda_kernels import conv
+    worst, share = _small_decode_off(1024)
+    print(f"1024x1024 vs float64: max {worst}, {100 * share:.3f}% off")
+    assert worst <= 1 and share <= 1e-3
+    monkeypatch.setattr(conv, "SLICE_K", 1 << 30)
+    worst, share = _small_decode_off(1024)
+    print(f"1024x1024 vs float64, K not sliced: max {worst}, {100 * share:.3f}% off")
+    assert share > 1e-3
