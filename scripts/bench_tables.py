@@ -28,14 +28,23 @@ def _ratio(base, ours):
     return f"{base / ours:.2f}" if isinstance(base, (int, float)) and ours else ""
 
 
-def encoder(d):
+def encoder(d, fla=None):
+    """The encode rows; with `fla` (encoder_baseline_fla.json: transformers with flash-linear-attention's
+    delta rule, beside ours in that process) a second baseline and its ratio to ours as measured beside it."""
     rows = []
     for n, s in sorted(d["speed"].items(), key=lambda kv: int(kv[0])):
         base = s.get("transformers_bf16_ms")
-        rows.append([f"encode, {n} tokens", f"{s['ours_into_pinned_ms']:.2f} ms", f"{base:.1f} ms" if base else "",
-                     f"{s['floor_ms']:.2f} ms" if "floor_ms" in s else "", _ratio(base, s["ours_into_pinned_ms"])])
-    return ["### Encoder (Qwen3.5-9B)", ""] + _table(["figure", "ours", "transformers bf16", "floor", "baseline / ours"],
-                                                     rows)
+        row = [f"encode, {n} tokens", f"{s['ours_into_pinned_ms']:.2f} ms", f"{base:.1f} ms" if base else "",
+               f"{s['floor_ms']:.2f} ms" if "floor_ms" in s else "", _ratio(base, s["ours_into_pinned_ms"])]
+        if fla:
+            f = fla["speed"].get(str(n), {})
+            row += [f"{f['transformers_bf16_ms']:.1f} ms" if f else "",
+                    _ratio(f.get("transformers_bf16_ms"), f.get("ours_into_pinned_ms"))]
+        rows.append(row)
+    head = ["figure", "ours", "transformers bf16 (torch fallbacks)", "floor", "baseline / ours"]
+    if fla:
+        head += ["transformers bf16 + flash-linear-attention", "that / ours (same process)"]
+    return ["### Encoder (Qwen3.5-9B)", ""] + _table(head, rows)
 
 
 def dit(d):
@@ -105,7 +114,9 @@ def tables(folder):
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
                                                          "picture.json"))
     if enc:
-        parts += encoder(enc) + [""]
+        fla = _load(folder, "encoder_baseline_fla.json")
+        bound = fla and any(str(m).startswith("fla") for m in fla.get("kernels", {}).values())
+        parts += encoder(enc, fla if bound else None) + [""]
     if dj:
         parts += dit(dj) + [""]
     if dec:

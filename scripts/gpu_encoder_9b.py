@@ -179,6 +179,8 @@ def main():
                         help="prompt length from which the delta rule runs chunked (default: cuda_table's)")
     parser.add_argument("--attention", choices=("products", "flash"), default=None,
                         help="the attention form (default: cuda_table's)")
+    parser.add_argument("--quick", action="store_true",
+                        help="accuracy and speed only: no variants, tuned products or CUPTI profiles (the benchmark run)")
     args = parser.parse_args()
     result = {}
     config = text_config(CONFIG)
@@ -265,23 +267,23 @@ def main():
         for key, value in saved.items():
             setattr(enc.model if key == "form" else ops, key, value)
         enc._captured = {}
-    for label, settings in VARIANTS.items():
+    for label, settings in ({} if args.quick else VARIANTS).items():
         if all(key == "form" or hasattr(ops, key) for key in settings):
             variant(settings, label)
-    for walk in WALKS:
+    for walk in ([] if args.quick else WALKS):
         variant({"chunk_from": 0, "delta_walk": walk}, f"chunked_{gdn_chunk.walk_name(walk)}")
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
     default = gemm.blas()
     result["gemm_stored_plans"] = sum(bool(p.get("stored")) for p in default._plans.values())
     result["gemm_plans"] = len(default._plans)
-    gemm._blas = gemm.Blas(tune=True)
-    for n, ids in prompts.items():
+    gemm._blas = default if args.quick else gemm.Blas(tune=True)
+    for n, ids in ({} if args.quick else prompts).items():
         speed[n]["ours_tuned_gemm_ms"] = replay_ms(enc, ids)
     # the tuner's picks in PICKS' form (committed as cuda_kernels/GEMM_PICKS.json after a run)
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "gemm_picks.json"), "w") as f:
         json.dump({gemm._blas.library_key(): gemm._blas.tuned_picks()}, f, indent=1)
-    if result["gemm_stored_plans"]:     # the default ran stored picks: time the heuristic's choice too
+    if result["gemm_stored_plans"] and not args.quick:   # the default ran stored picks: the heuristic's choice too
         gemm._blas, enc._captured = gemm.Blas(picks={}), {}
         for n, ids in prompts.items():
             speed[n]["ours_heuristic_gemm_ms"] = replay_ms(enc, ids)
@@ -289,7 +291,7 @@ def main():
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
     print("ours:", json.dumps(speed), flush=True)
-    for n, ids in prompts.items():
+    for n, ids in ({} if args.quick else prompts).items():
         try:
             result[f"profile_{n}"] = profile(enc, ids)
         except Exception as exc:     # the profiler is a diagnosis, not a result
@@ -298,7 +300,7 @@ def main():
     # the CUPTI profile of the other GDN inputs form too: which kernels a whole-encode difference comes from
     fused = ops.fuse_gdn_inputs
     ops.fuse_gdn_inputs, enc._captured = not fused, {}
-    for n, ids in prompts.items():
+    for n, ids in ({} if args.quick else prompts).items():
         try:
             result[f"profile_other_gdn_inputs_{n}"] = profile(enc, ids)
         except Exception as exc:

@@ -8,8 +8,10 @@
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS), tables (BENCHMARKS.md's
-# tables from this run's outputs: scripts/bench_tables.py). The benchmark run in one call:
-#   bash scripts/gpu_run.sh encoder dit decoder load picture tables
+# tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
+# flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
+# run in one call (under 10 minutes):
+#   ENCODER_ARGS=--quick bash scripts/gpu_run.sh dit decoder load picture encoder baseline tables
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -45,6 +47,11 @@ for step in "$@"; do
     decoder) $limit python3 scripts/gpu_decoder.py --out "$OUT" ${DECODER_ARGS:-} 2>&1 | tee "$OUT/decoder.txt"
              $limit python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decoder_gpu.py -rs -s 2>&1 | tee "$OUT/decoder_tests.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
+    baseline) # transformers' encoder with its torch fallbacks, then with flash-linear-attention (.wheels/fla)
+          $limit python3 scripts/gpu_encoder_baseline.py --out "$OUT/encoder_baseline_torch.json" 2>&1 | tee "$OUT/baseline.txt"
+          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
+          PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
+            --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
     load|picture) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
