@@ -1,6 +1,7 @@
 """The whole picture on the GPU from a real-size MOSS-Image folder (scripts/make_real_checkpoint.py makes a
 random one): the product's own path (stages.Model with device cuda, as moss-image runs it), timed stage by
-stage, for each size twice (the second picture reuses the loaded weights and the captured graphs).
+stage, for each size twice (the second picture, another seed, reuses the loaded weights and the captured
+graphs).
 
 Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
 the encode, denoise and decode seconds and their sum; device memory in use at the end (the pools only
@@ -68,7 +69,7 @@ def main():
             enc_bytes = stages.encode(model, PROMPT, "")
             enc = artifacts.parse(enc_bytes, "ENC", "encode", model.fingerprint)
             t1 = time.perf_counter()
-            opts = stages.SamplingOptions(seed=42, steps=args.steps, guidance=args.guidance, width=size, height=size)
+            opts = stages.SamplingOptions(seed=42 + rep, steps=args.steps, guidance=args.guidance, width=size, height=size)
             lat_bytes, _ = stages.denoise(model, enc, opts)
             lat = artifacts.parse(lat_bytes, "LAT", "denoise", model.fingerprint)
             t2 = time.perf_counter()

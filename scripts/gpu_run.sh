@@ -61,6 +61,9 @@ for step in "$@"; do
             $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"
           else
             $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture.json" ${PICTURE_ARGS:-} 2>&1 | tee "$OUT/picture.txt"
+            # a second process: its kernels come from the on-disk cache the first one filled
+            $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_again.json" --sizes 512 --steps 4 2>&1 \
+              | tee -a "$OUT/picture.txt"
           fi ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
     *) echo "unknown step $step"; status=1 ;;
