@@ -7,7 +7,7 @@ and flash attention's q, k and v. `Bf16Roundings` is the float64 numpy table wit
 and nothing else, so the error of its rows against float64 rows is what those roundings cost after the
 network's amplification (on the tiny random checkpoint a single u grows to a few percent of the rows).
 Measured with the tiny checkpoint: 0.0248 at L = 5, 0.0471 at L = 70 (relative Frobenius error); the GPU
-measured 0.0224 and 0.0509 against the CPU float32 rows (results/h200/tests_gpu-11c18d1.txt), within 10% of
+measured 0.0224 and 0.0509 against the CPU float32 rows (results/h200/tests_gpu-4457221.txt), within 10% of
 that. The gate is GATE_FACTOR = 2 times the stated error at each prompt length: room for what the statement
 leaves out (bf16 probabilities inside flash attention, TF32 chunks of the delta rule, float32 accumulation
 order), and below what removing RoPE does (0.103 at L = 5, 0.159 at L = 70), the planted control.

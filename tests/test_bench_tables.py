@@ -11,23 +11,31 @@ RESULTS = ROOT / "results" / "h200"
 
 
 def test_tables_carry_the_run_figures(tmp_path):
-    for src, name in (("encoder_9b-11c18d1-1.json", "encoder_9b.json"), ("dit-2ec4951.json", "dit.json"),
-                      ("decoder-55fa271.json", "decoder.json"), ("load-a63d93f.json", "load.json"),
-                      ("picture-6e43fa0.json", "picture.json")):
-        shutil.copy(RESULTS / src, tmp_path / name)
+    for what in ("encoder_9b", "encoder_baseline_fla", "dit", "decoder", "load", "picture"):
+        shutil.copy(RESULTS / f"{what}-4457221.json", tmp_path / f"{what}.json")
     out = tmp_path / "tables.md"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
-    for figure in ("5.77 ms", "192.2 ms", "301.0 ms", "134.4 ms", "1.57", "0.0578", "217.3 ms, 0.221 % off",
-                   "240.2 ms", "3.72 s", "1024x1024 #0", "14.37 s", "28.2 GB"):
+    for figure in ("5.83 ms", "92.1 ms", "15.81", "183.1 ms", "299.7 ms", "136.7 ms", "1.64", "0.0579",
+                   "226.1 ms, 0.038 % off", "238.9 ms", "3.01 s", "1024x1024 #0", "13.59 s", "38.0 GB"):
         assert figure in text, figure
     assert text.count("### ") == 5
 
 
+def test_the_second_encoder_baseline_only_where_it_bound_flash_linear_attention(tmp_path):
+    """A baseline run whose transformers fell back to torch (the package missing) is not shown as fla's."""
+    shutil.copy(RESULTS / "encoder_9b-4457221.json", tmp_path / "encoder_9b.json")
+    shutil.copy(RESULTS / "encoder_baseline_torch-4457221.json", tmp_path / "encoder_baseline_fla.json")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "### Encoder" in done.stdout and "flash-linear-attention" not in done.stdout
+
+
 def test_a_missing_output_leaves_its_table_out(tmp_path):
-    shutil.copy(RESULTS / "dit-2ec4951.json", tmp_path / "dit.json")
+    shutil.copy(RESULTS / "dit-4457221.json", tmp_path / "dit.json")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

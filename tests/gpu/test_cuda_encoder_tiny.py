@@ -5,7 +5,7 @@ gate/up outputs and flash attention's q, k, v; on the tiny random checkpoint the
 roundings to a few percent of the rows. encoder_bf16.Bf16Roundings states exactly those roundings on the
 CPU (float64 otherwise); its rows' relative Frobenius error against the float64 rows, at each prompt length,
 times GATE_FACTOR = 2, is the gate (about 0.050 at L = 5 and 0.094 at L = 70; the GPU measured 0.0224 and
-0.0509 against CPU float32 rows in results/h200/tests_gpu-11c18d1.txt, the statement 0.0248 and 0.0471).
+0.0509 against CPU float32 rows in results/h200/tests_gpu-4457221.txt, the statement 0.0248 and 0.0471).
 The former fixed gate, 4 sqrt(7 x 8 + 1) u = 0.118, passed with RoPE removed (0.103 at L = 5).
 
 Planted control (test_planted_rope_removal_fails_the_gate): moss_cli.encoder.rope_tables replaced by cos = 1,
