@@ -7,26 +7,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cli_util import copy_model, error_lines, run
+from cli_util import FAST, copy_model, encode_fixture, run, single_error
 from moss_cli.safetensors_io import dumps, load
-
-FAST = ["--width", "64", "--height", "48", "--steps", "3"]
-
 
 @pytest.fixture(scope="module")
 def enc(tmp_path_factory):
-    out = tmp_path_factory.mktemp("enc") / "p.enc"
-    r = run("moss-encode", "--prompt", "a red fox in snow", "--out", out, "--quiet")
-    assert r.code == 0, r.stderr
-    return out
-
-
-def _single_error(r):
-    assert r.code != 0
-    errors = error_lines(r)
-    assert len(errors) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    return errors[0]
+    return encode_fixture(tmp_path_factory)
 
 
 def test_encode_twice_gives_identical_bytes(tmp_path, enc):
@@ -100,14 +86,14 @@ def test_full_fifty_steps_work(tmp_path):
 ])
 def test_denoise_rejects_bad_options(tmp_path, enc, args, needle):
     out = tmp_path / "x.lat"
-    line = _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, *args, "--out", out))
+    line = single_error(run("moss-denoise", enc, "--seed", "1", *FAST, *args, "--out", out))
     assert needle in line and not out.exists()
 
 
 def test_denoise_needs_negative_rows_for_cfg(tmp_path):
     assert run("moss-encode", "--prompt", "p", "--no-negative", "--out", tmp_path / "n.enc", "--quiet").code == 0
     out = tmp_path / "x.lat"
-    line = _single_error(run("moss-denoise", tmp_path / "n.enc", "--seed", "1", *FAST, "--out", out))
+    line = single_error(run("moss-denoise", tmp_path / "n.enc", "--seed", "1", *FAST, "--out", out))
     assert "--no-negative" in line and not out.exists()
     assert run("moss-denoise", tmp_path / "n.enc", "--seed", "1", *FAST, "--guidance", "1", "--out", out,
                "--quiet").code == 0
@@ -119,12 +105,12 @@ def test_artifacts_of_another_stage_or_model_or_garbage_are_refused(tmp_path, en
     cfg["num_train_timesteps"] = 1000  # same values, new bytes: still another fingerprint
     (other / "scheduler" / "scheduler_config.json").write_text(json.dumps(cfg, indent=1))
     out = tmp_path / "x.lat"
-    assert "another model" in _single_error(run("moss-denoise", enc, "--model", other, "--seed", "1", *FAST,
+    assert "another model" in single_error(run("moss-denoise", enc, "--model", other, "--seed", "1", *FAST,
                                                 "--out", out))
     (tmp_path / "junk.enc").write_bytes(b"\x00" * 40)
-    assert "not a valid" in _single_error(run("moss-denoise", tmp_path / "junk.enc", "--seed", "1", "--out", out))
+    assert "not a valid" in single_error(run("moss-denoise", tmp_path / "junk.enc", "--seed", "1", "--out", out))
     (tmp_path / "cut.enc").write_bytes(enc.read_bytes()[:-100])
-    assert "not a valid" in _single_error(run("moss-denoise", tmp_path / "cut.enc", "--seed", "1", "--out", out))
+    assert "not a valid" in single_error(run("moss-denoise", tmp_path / "cut.enc", "--seed", "1", "--out", out))
     assert not out.exists()
 
 
@@ -132,30 +118,30 @@ def test_decode_refuses_wrong_stage_shape_truncation_and_other_vae(tmp_path, enc
     lat = tmp_path / "l.lat"
     assert run("moss-denoise", enc, "--seed", "3", *FAST, "--out", lat, "--quiet").code == 0
     png = tmp_path / "p.png"
-    assert "expected LAT" in _single_error(run("moss-decode", enc, "--out", png))
+    assert "expected LAT" in single_error(run("moss-decode", enc, "--out", png))
     tensors, meta = load(lat)
     (tmp_path / "bad.lat").write_bytes(dumps({"latents": tensors["latents"][:, :64]}, meta))
-    assert "expected float32[1, 128" in _single_error(run("moss-decode", tmp_path / "bad.lat", "--out", png))
+    assert "expected float32[1, 128" in single_error(run("moss-decode", tmp_path / "bad.lat", "--out", png))
     (tmp_path / "cut.lat").write_bytes(lat.read_bytes()[:-7])
-    assert "not a valid LAT" in _single_error(run("moss-decode", tmp_path / "cut.lat", "--out", png))
+    assert "not a valid LAT" in single_error(run("moss-decode", tmp_path / "cut.lat", "--out", png))
     other = copy_model(tmp_path)
     cfg = json.loads((other / "vae" / "config.json").read_text())
     cfg["batch_norm_eps"] = 1e-3
     (other / "vae" / "config.json").write_text(json.dumps(cfg))
-    assert "another model" in _single_error(run("moss-decode", lat, "--model", other, "--out", png))
+    assert "another model" in single_error(run("moss-decode", lat, "--model", other, "--out", png))
     assert not png.exists()
 
 
 def test_unwritable_outputs_fail_before_any_work(tmp_path, enc):
     missing = tmp_path / "no" / "such"
-    assert "does not exist" in _single_error(run("moss-encode", "--prompt", "p", "--out", missing / "x.enc"))
+    assert "does not exist" in single_error(run("moss-encode", "--prompt", "p", "--out", missing / "x.enc"))
     lat = tmp_path / "x.lat"
-    assert "does not exist" in _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--trace",
+    assert "does not exist" in single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--trace",
                                                  missing / "t.trace", "--out", lat))
     (tmp_path / "file").write_text("")
-    assert "does not exist" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
+    assert "does not exist" in single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
                                                  "--picture", tmp_path / "file" / "p.png"))
-    assert "is a directory" in _single_error(run("moss-decode", enc, "--out", tmp_path))
+    assert "is a directory" in single_error(run("moss-decode", enc, "--out", tmp_path))
     assert not lat.exists() and not missing.exists()
 
 
@@ -187,7 +173,7 @@ def test_encode_names_what_is_wrong_with_the_checkpoint(tmp_path, breakage, need
     else:
         te.write_bytes(te.read_bytes()[:-1000])
     out = tmp_path / "x.enc"
-    line = _single_error(run("moss-encode", "--model", model, "--prompt", "p", "--out", out))
+    line = single_error(run("moss-encode", "--model", model, "--prompt", "p", "--out", out))
     assert needle in line and not out.exists()
 
 
@@ -204,7 +190,7 @@ def test_no_gpu_for_device_cuda_is_one_line(tmp_path):
     if gpu_status()[0]:
         pytest.skip("a GPU is usable here")
     out = tmp_path / "x.enc"
-    assert "--device cuda" in _single_error(run("moss-encode", "--prompt", "p", "--device", "cuda", "--out", out))
+    assert "--device cuda" in single_error(run("moss-encode", "--prompt", "p", "--device", "cuda", "--out", out))
     assert not out.exists()
 
 

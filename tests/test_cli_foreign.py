@@ -10,11 +10,8 @@ import pytest
 from PIL import Image
 from safetensors.numpy import save_file
 
-from cli_util import error_lines, run
+from cli_util import FAST, error_lines, run
 from moss_cli.safetensors_io import dumps, load
-
-FAST = ["--width", "64", "--height", "48", "--steps", "3"]
-
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
@@ -35,7 +32,7 @@ def _warnings(r):
     return [line for line in r.stderr.splitlines() if ": warning:" in line]
 
 
-def _single_error(r):
+def single_error(r):
     assert r.code == 1, r.stderr
     errors = error_lines(r)
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -63,7 +60,7 @@ def test_a_foreign_enc_without_negative_needs_guidance_1(tmp_path, made):
     t = _tensors(made / "p.enc")
     foreign = tmp_path / "prompt-only.enc"
     save_file({"prompt_rows": t["prompt_rows"], "prompt_ids": t["prompt_ids"]}, str(foreign))
-    assert "negative" in _single_error(run("moss-denoise", foreign, "--seed", "5", *FAST, "--out", tmp_path / "x.lat"))
+    assert "negative" in single_error(run("moss-denoise", foreign, "--seed", "5", *FAST, "--out", tmp_path / "x.lat"))
     r = run("moss-denoise", foreign, "--seed", "5", *FAST, "--guidance", "1", "--out", tmp_path / "x.lat", "--quiet")
     assert r.code == 0 and len(_warnings(r)) == 1
 
@@ -139,7 +136,7 @@ def test_a_foreign_enc_with_bad_tensors_is_one_line(tmp_path, made, case, needle
     bad = tmp_path / "bad.enc"
     save_file(_enc_case(_tensors(made / "p.enc"), case), str(bad))
     out = tmp_path / "x.lat"
-    line = _single_error(run("moss-denoise", bad, "--seed", "5", *FAST, "--out", out))
+    line = single_error(run("moss-denoise", bad, "--seed", "5", *FAST, "--out", out))
     assert needle in line and not out.exists()
 
 
@@ -155,5 +152,5 @@ def test_a_foreign_lat_with_bad_tensors_is_one_line(tmp_path, made, case, needle
                "channels": {"latents": x[:, :64]}, "name": {"x": x}}[case]
     save_file(tensors, str(tmp_path / "bad.lat"))
     out = tmp_path / "x.png"
-    line = _single_error(run("moss-decode", tmp_path / "bad.lat", "--out", out))
+    line = single_error(run("moss-decode", tmp_path / "bad.lat", "--out", out))
     assert needle in line.replace("latents are", "latents is") and not out.exists()

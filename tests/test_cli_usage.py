@@ -12,26 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cli_util import BIN, copy_model, error_lines, run
+from cli_util import BIN, FAST, copy_model, encode_fixture, run, single_error
 from moss_cli.safetensors_io import load
-
-FAST = ["--width", "64", "--height", "48", "--steps", "3"]
-
 
 @pytest.fixture(scope="module")
 def enc(tmp_path_factory):
-    out = tmp_path_factory.mktemp("enc") / "p.enc"
-    r = run("moss-encode", "--prompt", "a red fox in snow", "--out", out, "--quiet")
-    assert r.code == 0, r.stderr
-    return out
-
-
-def _single_error(r):
-    assert r.code != 0
-    errors = error_lines(r)
-    assert len(errors) == 1, r.stderr
-    assert "Traceback" not in r.stderr
-    return errors[0]
+    return encode_fixture(tmp_path_factory)
 
 
 def _warnings(r):
@@ -57,7 +43,7 @@ def test_keep_folder_is_created_like_mkdir_p(tmp_path):
     assert r.code == 0, r.stderr
     assert (keep / "prompt.enc").is_file() and (keep / "latents.lat").is_file()
     (tmp_path / "file").write_text("")
-    line = _single_error(run("moss-image", "--prompt", "x", "--seed", "1", *FAST, "--picture",
+    line = single_error(run("moss-image", "--prompt", "x", "--seed", "1", *FAST, "--picture",
                              tmp_path / "p.png", "--keep", tmp_path / "file"))
     assert "not a folder" in line and not (tmp_path / "p.png").exists()
 
@@ -89,15 +75,15 @@ def test_an_interrupted_run_keeps_the_finished_stage_files(tmp_path):
 
 def test_outputs_ending_in_a_separator_are_refused(tmp_path, enc, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert "names a folder" in _single_error(run("moss-encode", "--prompt", "p", "--out", "dirx/"))
-    assert "names a folder" in _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--out", "dirx/"))
-    assert "names a folder" in _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--trace", "dirx/",
+    assert "names a folder" in single_error(run("moss-encode", "--prompt", "p", "--out", "dirx/"))
+    assert "names a folder" in single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--out", "dirx/"))
+    assert "names a folder" in single_error(run("moss-denoise", enc, "--seed", "1", *FAST, "--trace", "dirx/",
                                                  "--out", "x.lat"))
-    assert "names a folder" in _single_error(run("moss-decode", enc, "--out", "dirx/"))
-    assert "names a folder" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
+    assert "names a folder" in single_error(run("moss-decode", enc, "--out", "dirx/"))
+    assert "names a folder" in single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
                                                  "--picture", "dirx/"))
     (tmp_path / "folder").mkdir()
-    assert "is a directory" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
+    assert "is a directory" in single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST,
                                                  "--picture", "folder"))
     assert sorted(os.listdir(tmp_path)) == ["folder"]
 
@@ -126,7 +112,7 @@ def test_help_states_the_defaults_that_apply_and_the_seed_rules(command):
 ])
 def test_skip_window_outside_0_1_or_reversed_is_refused(tmp_path, enc, args):
     out = tmp_path / "x.lat"
-    line = _single_error(run("moss-denoise", enc, "--seed", "1", *FAST, *args, "--out", out))
+    line = single_error(run("moss-denoise", enc, "--seed", "1", *FAST, *args, "--out", out))
     assert "0 <= start <= stop <= 1" in line and not out.exists()
 
 
@@ -141,7 +127,7 @@ def test_skip_window_edges_are_accepted(tmp_path, enc):
 def test_no_negative_with_a_negative_is_refused(tmp_path):
     out = tmp_path / "x.enc"
     for negative in ("blurry", ""):
-        line = _single_error(run("moss-encode", "--prompt", "fox", "--no-negative", "--negative", negative,
+        line = single_error(run("moss-encode", "--prompt", "fox", "--no-negative", "--negative", negative,
                                  "--out", out))
         assert "--no-negative" in line and "--negative" in line and not out.exists()
 
@@ -176,7 +162,7 @@ def test_accepted_seeds_are_torchs():
 @pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1), "99999999999999999999999"])
 def test_seeds_torch_refuses_are_refused(tmp_path, enc, seed):
     out = tmp_path / "x.lat"
-    line = _single_error(run("moss-denoise", enc, "--seed", seed, *FAST, "--out", out))
+    line = single_error(run("moss-denoise", enc, "--seed", seed, *FAST, "--out", out))
     assert f"--seed {seed}" in line and "2**64-1" in line and not out.exists()
 
 
@@ -233,11 +219,11 @@ def test_a_full_disk_on_a_file_leaves_nothing(tmp_path, monkeypatch):
 def test_a_png_given_as_an_artifact_is_named_a_png(tmp_path, enc):
     png = tmp_path / "p.png"
     assert run("moss-image", "--prompt", "p", "--seed", "1", *FAST, "--picture", png, "--quiet").code == 0
-    line = _single_error(run("moss-denoise", png, "--seed", "1", *FAST, "--out", tmp_path / "x.lat"))
+    line = single_error(run("moss-denoise", png, "--seed", "1", *FAST, "--out", tmp_path / "x.lat"))
     assert "is a PNG picture, not an ENC file" in line and "header length" not in line
-    line = _single_error(run("moss-decode", png, "--out", tmp_path / "y.png"))
+    line = single_error(run("moss-decode", png, "--out", tmp_path / "y.png"))
     assert "is a PNG picture, not a LAT file" in line
-    assert "is an ENC file, expected LAT" in _single_error(run("moss-decode", enc, "--out", tmp_path / "y.png"))
+    assert "is an ENC file, expected LAT" in single_error(run("moss-decode", enc, "--out", tmp_path / "y.png"))
 
 
 def test_every_command_prints_the_device_first_and_where_it_wrote_last(tmp_path, enc):
@@ -298,9 +284,9 @@ def test_picture_names_must_end_in_png(tmp_path, enc):
     lat = tmp_path / "l.lat"
     assert run("moss-denoise", enc, "--seed", "1", *FAST, "--out", lat, "--quiet").code == 0
     for name in ("f.jpg", "f", "f.png.tmp"):
-        assert ".png" in _single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST, "--picture",
+        assert ".png" in single_error(run("moss-image", "--prompt", "p", "--seed", "1", *FAST, "--picture",
                                            tmp_path / name))
-        assert ".png" in _single_error(run("moss-decode", lat, "--out", tmp_path / name))
+        assert ".png" in single_error(run("moss-decode", lat, "--out", tmp_path / name))
         assert not (tmp_path / name).exists()
     assert run("moss-decode", lat, "--out", tmp_path / "UPPER.PNG", "--quiet").code == 0
     r = run("moss-decode", lat, "--out", "-", "--quiet")
