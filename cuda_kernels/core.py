@@ -25,7 +25,7 @@ EPS32 = float(np.finfo(np.float32).eps) / 2      # unit roundoff of float32
 EPS16 = 2.0 ** -8                                # unit roundoff of bfloat16
 
 
-def _cache_dir():
+def _cache_dir(sources=Path(__file__).parent):
     """Where compiled kernels are kept between processes: NUMBA_CACHE_DIR when set, else a folder named by a
     hash of this package's sources. numba keys a cached kernel by its own file's time stamp only, so an edit
     to a device function in another module would reuse a stale kernel; the hash makes any edit a new folder.
@@ -35,7 +35,7 @@ def _cache_dir():
     if os.environ.get("NUMBA_CACHE_DIR"):
         return os.environ["NUMBA_CACHE_DIR"]
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(Path(sources).glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return str(root / "moss-cli" / "kernels" / digest.hexdigest()[:16])

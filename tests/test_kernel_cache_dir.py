@@ -1,0 +1,31 @@
+"""Where compiled kernels are kept (cuda_kernels.core._cache_dir): any edit of a kernel source names a new
+folder, NUMBA_CACHE_DIR overrides it and MOSS_KERNEL_CACHE=0 turns the cache off. (That a second process
+loads its kernels from the folder runs on a GPU: tests/gpu/test_kernel_cache.py.)"""
+
+import shutil
+from pathlib import Path
+
+from cuda_kernels import core
+
+SOURCES = Path(core.__file__).parent
+
+
+def test_the_folder_is_named_by_the_sources_and_changes_with_any_edit(tmp_path, monkeypatch):
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.delenv("MOSS_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    copy = tmp_path / "kernels"
+    shutil.copytree(SOURCES, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    first = core._cache_dir(copy)
+    assert Path(first).parent == tmp_path / "cache" / "moss-cli" / "kernels" and len(Path(first).name) == 16
+    assert core._cache_dir(copy) == first == core._cache_dir(SOURCES)
+    (copy / "core.py").write_text((copy / "core.py").read_text() + "\n# an edit of a device function's module\n")
+    assert core._cache_dir(copy) != first
+
+
+def test_numba_cache_dir_overrides_and_the_switch_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("MOSS_KERNEL_CACHE", raising=False)
+    assert core._cache_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv("MOSS_KERNEL_CACHE", "0")
+    assert core._cache_dir() is None
