@@ -6,9 +6,9 @@ Speed: ms per denoising step with CFG (both passes, block 22 skipped on the nega
 2048, ours (graph replays) vs the baseline vs the floor (the step's FLOPs at the bf16 product rate measured
 in this run); host time per step; attention alone vs torch's SDPA backends; memory.
 
-The baseline is a torch eager statement of the official bf16 chain written here (every op in bf16 as
-denoiser.md's rounding contract says, F.scaled_dot_product_attention with torch's default backend choice);
-the same statement in float64 is the reference. It is checked against moss_cli's float64 numpy graph on the
+The baseline is a torch eager statement of the official bf16 chain (scripts/reference/dit.py's Statement in
+bf16: every op in bf16 as denoiser.md's rounding contract says, F.scaled_dot_product_attention with torch's
+default backend choice); the same statement in float64 is the reference. It is checked against moss_cli's float64 numpy graph on the
 tiny checkpoint first (printed), so it is the model and not a copy of our kernels.
 
     python scripts/gpu_dit.py --out dit.json
@@ -16,9 +16,10 @@ tiny checkpoint first (printed), so it is the model and not a copy of our kernel
 
 import argparse
 import json
-import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,116 +34,11 @@ from moss_cli.ops.cuda_table import CudaOps, capture, numba_stream
 from moss_cli.schedule import sigmas as schedule_sigmas, timesteps
 from moss_cli.transformer import DEFAULTS, expected_tensors
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference.dit import Statement as TorchDit  # noqa: E402
+
 TEXT = 300
 SKIP = (22,)
-
-
-# --- the torch statement (baseline in bf16, reference in float64) ------------------------------
-class TorchDit:
-    def __init__(self, weights, cfg, dtype):
-        self.w, self.cfg, self.dtype = weights, cfg, dtype
-        self.D, self.H = cfg["dim"], cfg["num_heads"]
-        self.hd = self.D // self.H
-
-    def p(self, name):
-        return self.w[name].to(self.dtype)
-
-    def lin(self, x, n, bias=True):
-        y = x @ self.p(n + ".weight").T
-        return y + self.p(n + ".bias") if bias else y
-
-    def rms(self, x, n):
-        # the official chain: normalise in float32, round to the dtype, then the weight
-        xf = x.float() if self.dtype != torch.float64 else x
-        r = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(self.dtype)
-        return r * self.p(n)
-
-    @staticmethod
-    def situ(h, g):
-        return (4.0 * torch.tanh(g / 4) * torch.sigmoid(g)) * (25.0 * torch.tanh(h / 25))
-
-    def rope_tables(self, pos):
-        nb = self.hd // 8
-        bands = 1 / self.cfg["rope_base"] ** (torch.arange(nb, dtype=torch.float32, device=pos.device) / nb)
-        if self.dtype == torch.float64:
-            ang = (pos.double()[:, :, None] * bands.double()).flatten(1)
-        else:
-            ang = (pos.float()[:, :, None] * bands).flatten(1)
-        return ang.cos().to(self.dtype)[:, None, :], ang.sin().to(self.dtype)[:, None, :]
-
-    @staticmethod
-    def rope(x, cs):
-        c, s = cs
-        a, b = x.chunk(2, -1)
-        return torch.cat([a * c - b * s, b * c + a * s], -1)
-
-    def heads(self, x):
-        return x.reshape(x.shape[0], self.H, self.hd)
-
-    def attn(self, q, k, v):
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        return o[0].transpose(0, 1).reshape(-1, self.D)
-
-    def positions(self, h, w, n, device):
-        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-        img = torch.zeros(h * w, 4, dtype=torch.float64, device=device)
-        img[:, 1] = n
-        img[:, 2] = ys.flatten() - (h - 1) / 2
-        img[:, 3] = xs.flatten() - (w - 1) / 2
-        txt = torch.zeros(n, 4, dtype=torch.float64, device=device)
-        txt[:, 1] = torch.arange(n, device=device)
-        return torch.cat([img, txt]).float()
-
-    def text(self, rows):
-        n = rows.shape[0]
-        cs = self.rope_tables(self.positions(0, 0, n, rows.device))
-        x = self.lin(rows.to(self.dtype), "text_embedder.proj")
-        for b in range(2):
-            p = f"text_embedder.blocks.{b}."
-            q, k, v = self.lin(self.rms(x, p + "norm1.weight"), p + "qkv").chunk(3, -1)
-            q = self.rope(self.rms(self.heads(q), p + "q_norm.weight"), cs)
-            k = self.rope(self.rms(self.heads(k), p + "k_norm.weight"), cs)
-            x = x + self.lin(self.attn(q, k, self.heads(v)), p + "proj")
-            y = self.rms(x, p + "norm2.weight")
-            x = x + self.lin(self.situ(self.lin(y, p + "ffn_up"), self.lin(y, p + "ffn_gate")), p + "ffn_down")
-        return x
-
-    def conditioning(self, t, device):
-        half = self.cfg["freq_dim"] // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64, device=device) / half)
-        e = torch.cat([torch.cos(float(np.float32(t)) * freqs), torch.sin(float(np.float32(t)) * freqs)])[None]
-        e = e if self.dtype == torch.float64 else e.float().to(self.dtype)    # fp64 -> fp32 -> bf16, as official
-        time_ = self.lin(F.silu(self.lin(e, "time_embedding.0")), "time_embedding.2")
-        return (self.lin(time_, "shared_block_modulation").reshape(6, self.D),
-                self.lin(time_, "video_head_modulation").reshape(2, self.D))
-
-    def velocity(self, latents, mod, head, text, skip=()):
-        _, C, h, w = latents.shape
-        cs = self.rope_tables(self.positions(h, w, text.shape[0], latents.device))
-        x = torch.cat([self.lin(latents.flatten(2)[0].T.to(self.dtype), "video_embedder"), text])
-        for i in range(self.cfg["num_layers"]):
-            if i in skip:
-                continue
-            p = f"layers.{i}."
-            y = self.rms(x, p + "norm1.weight") * (1 + mod[1]) + mod[0]
-            q = self.rope(self.rms(self.heads(self.lin(y, p + "proj.q", False)), p + "q_norm.weight"), cs)
-            k = self.rope(self.rms(self.heads(self.lin(y, p + "proj.k", False)), p + "k_norm.weight"), cs)
-            v = self.heads(self.lin(y, p + "proj.v", False))
-            x = x + self.lin(self.attn(q, k, v), p + "proj.o", False) * mod[2]
-            y = self.rms(x, p + "norm2.weight") * (1 + mod[4]) + mod[3]
-            up, gate = self.lin(y, p + "proj.ffn_up_gate", False).chunk(2, -1)
-            x = x + self.lin(self.situ(up, gate), p + "proj.ffn_down", False) * mod[5]
-        z = self.rms(x[: h * w], "final_norm_video.weight") * (1 + head[1]) + head[0]
-        v = self.lin(z, "final_linear_video", False).T.reshape(1, C, h, w)
-        return v if self.dtype == torch.float64 else v.float()
-
-    def step(self, latents, t, dt, cond, uncond, guidance, skip):
-        """One CFG step as the official pipeline: v = u + g (c - u) in float32, x + dt v."""
-        mod, head = self.conditioning(t, latents.device)
-        c = self.velocity(latents, mod, head, cond)
-        u = self.velocity(latents, mod, head, uncond, skip)
-        v = u + guidance * (c - u)
-        return latents + dt * v, v
 
 
 def check_statement(out):
