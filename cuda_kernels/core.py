@@ -47,12 +47,30 @@ if CACHE_DIR:
     _cuda_config.CACHE_DIR = CACHE_DIR
 
 
+_CACHE_WRITABLE = []
+
+
+def _cache_writable():
+    """Whether CACHE_DIR can be made and written (checked once). Where it cannot, kernels are not cached at
+    all: numba would fall back to a __pycache__ beside the sources, keyed by time stamps, or fail."""
+    if not _CACHE_WRITABLE:
+        try:
+            os.makedirs(CACHE_DIR, exist_ok=True)
+            _CACHE_WRITABLE.append(os.access(CACHE_DIR, os.W_OK))
+        except OSError:
+            _CACHE_WRITABLE.append(False)
+    return _CACHE_WRITABLE[0]
+
+
 def _cached(dispatcher):
     """Keep the kernel's compiled code on disk; a kernel numba cannot pickle (linked code) is compiled each
     process instead of failing."""
-    if not CACHE_DIR or getattr(dispatcher, "targetoptions", {}).get("device"):
+    if not CACHE_DIR or getattr(dispatcher, "targetoptions", {}).get("device") or not _cache_writable():
         return dispatcher
-    dispatcher.enable_caching()
+    try:
+        dispatcher.enable_caching()
+    except (RuntimeError, OSError):       # no usable cache location: compile each process
+        return dispatcher
     cache, save = dispatcher._cache, dispatcher._cache.save_overload
 
     def save_or_skip(sig, data):

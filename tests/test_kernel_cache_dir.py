@@ -29,3 +29,19 @@ def test_numba_cache_dir_overrides_and_the_switch_turns_it_off(tmp_path, monkeyp
     assert core._cache_dir() == str(tmp_path / "mine")
     monkeypatch.setenv("MOSS_KERNEL_CACHE", "0")
     assert core._cache_dir() is None
+
+
+def test_an_unwritable_folder_leaves_the_kernels_uncached(tmp_path, monkeypatch):
+    """Not numba's fallback beside the sources (keyed by time stamps) and not a failure: no cache."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(core, "CACHE_DIR", str(blocker / "kernels"))
+    monkeypatch.setattr(core, "_CACHE_WRITABLE", [])
+
+    class Dispatcher:
+        targetoptions = {}
+
+        def enable_caching(self):
+            raise AssertionError("caching enabled in an unwritable folder")
+    kernel = Dispatcher()
+    assert core._cached(kernel) is kernel and core._CACHE_WRITABLE == [False]
