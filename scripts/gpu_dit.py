@@ -196,6 +196,10 @@ def main():
         dit.sample(noise, sig, cond, uncond, 3.0, SKIP, 0.01, 1.0)
         tm = dict(dit.timings)
         ours_ms = tm["gpu_s"] / tm["steps"] * 1e3
+        trajectory_ms = []
+        if size == 1024:     # a whole trajectory's steps, each timed: does a step slow down under sustained load?
+            dit.sample(noise, schedule_sigmas(50, shift=5.0), cond, uncond, 3.0, SKIP, 0.01, 1.0)
+            trajectory_ms = dit.timings["step_ms"]
         # the same trajectory with a progress callback (the product's path), and single steps on an idle GPU
         dit.sample(noise, sig, cond, uncond, 3.0, SKIP, 0.01, 1.0, on_step=lambda *a: None)
         progress_ms = dit.timings["gpu_s"] / dit.timings["steps"] * 1e3
@@ -208,10 +212,13 @@ def main():
             base_ms = timed(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 3, warm=1)
         flops = step_flops(cfg, h * w, TEXT, 2 * cfg["num_layers"] - len(SKIP))
         floor_ms = flops / (rate * 1e12) * 1e3
-        row = {"ours_ms": ours_ms, "ours_with_progress_ms": progress_ms, "ours_single_step_ms": statistics.median(single),
+        row = {"ours_ms": ours_ms, "ours_50_step_ms": trajectory_ms, "ours_with_progress_ms": progress_ms, "ours_single_step_ms": statistics.median(single),
                "host_ms_per_step": tm["launch_s"] * 1e3, "torch_bf16_ms": base_ms,
                "floor_ms": floor_ms, "ratio": base_ms / ours_ms, "step_tflop": flops / 1e12}
         out["sizes"][str(size)] = row
+        if trajectory_ms:
+            print(f"{size}x{size}: 50 steps, ms each: first 5 {[round(t, 1) for t in trajectory_ms[:5]]}, last 5 "
+                  f"{[round(t, 1) for t in trajectory_ms[-5:]]}", flush=True)
         print(f"{size}x{size}: ours {ours_ms:.1f} ms/step (with progress {progress_ms:.1f}, one step alone "
               f"{row['ours_single_step_ms']:.1f}, host {row['host_ms_per_step']:.2f}), torch bf16 eager "
               f"{base_ms:.1f}, floor {floor_ms:.1f}, ratio {row['ratio']:.2f}x", flush=True)

@@ -43,7 +43,11 @@ for step in "$@"; do
          ncu --import "$OUT/kernels.ncu-rep" --page source --csv --print-source sass -k regex:"${NCU_KERNELS:-gated_delta_rule}" \
            > "$OUT/ncu_source.csv" 2>&1; tail -5 "$OUT/ncu_log.txt" ;;
     gaps) $limit python3 scripts/gpu_encoder_gaps.py --out "$OUT/gaps.json" 2>&1 | tee "$OUT/gaps.txt" ;;
-    dit) $limit python3 scripts/gpu_dit.py --out "$OUT/dit.json" ${DIT_ARGS:-} 2>&1 | tee "$OUT/dit.txt" ;;
+    dit) # SM clock and power every 0.2 s beside it: a step that slows under sustained load shows there
+         nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 200 \
+           > "$OUT/dit_clocks.csv" 2>&1 & watch=$!
+         $limit python3 scripts/gpu_dit.py --out "$OUT/dit.json" ${DIT_ARGS:-} 2>&1 | tee "$OUT/dit.txt"
+         ran=$?; kill $watch 2>/dev/null; (exit $ran) ;;
     decoder) $limit python3 scripts/gpu_decoder.py --out "$OUT" ${DECODER_ARGS:-} 2>&1 | tee "$OUT/decoder.txt"
              $limit python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decoder_gpu.py -rs -s 2>&1 | tee "$OUT/decoder_tests.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;

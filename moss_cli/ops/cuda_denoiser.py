@@ -134,6 +134,7 @@ class CudaDenoiser:
         stream = self._stream
         queue = numba_stream(stream)
         done = [cuda.event(timing=False) for _ in range(2)]
+        ends = [cuda.event() for _ in range(steps)]       # each step's end: the per-step times in `timings`
         for i in range(steps):
             graph = graphs[kinds[i]]
             latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
@@ -142,6 +143,7 @@ class CudaDenoiser:
                 start.record(queue)
                 first = time.perf_counter()
             graph.launch(stream)
+            ends[i].record(queue)
             if i == 0:
                 launch_s = time.perf_counter() - first
             if on_step is None:
@@ -165,6 +167,8 @@ class CudaDenoiser:
             on_step(steps - 1, sigmas[steps - 1], None, None)
         # launch_s: the host's cost of one step (its graph launch on an idle queue); later launches wait for
         # room in the launch queue while the GPU works, so the loop's time (queue_s) follows the GPU's
+        marks = [start] + ends
         self.timings = {"steps": steps, "gpu_s": cuda.event_elapsed_time(start, stop) / 1e3, "launch_s": launch_s,
-                        "queue_s": queued - began, "wall_s": time.perf_counter() - began}
+                        "queue_s": queued - began, "wall_s": time.perf_counter() - began,
+                        "step_ms": [cuda.event_elapsed_time(a, b) for a, b in zip(marks, marks[1:])]}
         return out
