@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 
 from . import artifacts, schedule
-from .errors import ArtifactError, UsageError
+from .errors import ArtifactError, DeviceError, UsageError
 from .ops import numpy_ops
 from .progress import Silent
 
@@ -85,6 +85,25 @@ def sampling_defaults(checkpoint):
     return out
 
 
+def _gpu_memory():
+    """(free, total) bytes of the current GPU."""
+    from numba import cuda
+    return cuda.current_context().get_memory_info()
+
+
+def _require_gpu_room(comp, matrix_bytes):
+    """Refuse, before any upload, a component whose weights alone do not fit in the GPU's free memory: on
+    the GPU its 2-D matrices take `matrix_bytes` an element (bf16: 2; the decoder keeps float32: 4), every
+    other tensor float32."""
+    need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for a in comp.tensors.values())
+    free, total = _gpu_memory()
+    if need > free:
+        what = {"text_encoder": "text encoder", "vae": "VAE decoder"}.get(comp.name, comp.name)
+        raise DeviceError(f"the {what} needs {need / 1e9:.1f} GB of GPU memory for its weights, and "
+                          f"{free / 1e9:.1f} of the GPU's {total / 1e9:.1f} GB are free; free some, or run this "
+                          "stage with --device cpu")
+
+
 class Model:
     """One checkpoint with its graphs built lazily and kept: every component is loaded once."""
 
@@ -110,6 +129,7 @@ class Model:
         comp = self.checkpoint.component("text_encoder")
         self.progress.note(f"loading text encoder ({self.device})")
         if self.device == "cuda":
+            _require_gpu_room(comp, 2)
             from .ops.cuda_table import cuda_encoder
             return cuda_encoder(comp)
         return encoder.Qwen35Encoder(self.ops, comp.tensors, encoder.text_config(comp.config))
@@ -120,6 +140,7 @@ class Model:
         comp = self.checkpoint.component("transformer")
         self.progress.note(f"loading transformer ({self.device})")
         if self.device == "cuda":
+            _require_gpu_room(comp, 2)
             from .ops.cuda_denoiser import CudaDenoiser
             dit = CudaDenoiser(comp.tensors, comp.config)
             dit.upload()
@@ -132,6 +153,7 @@ class Model:
         comp = self.checkpoint.component("vae")
         self.progress.note(f"loading VAE decoder ({self.device})")
         if self.device == "cuda":
+            _require_gpu_room(comp, 4)
             from .ops.cuda_decoder import CudaDecoder
             return CudaDecoder(comp.tensors, comp.config)
         return Decoder(self.ops, comp.tensors, comp.config)
