@@ -56,21 +56,6 @@ def off(a, b):
     return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
 
 
-def torch_ms(fn, torch, calls):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def ours_ms(dec, latents, calls):
     from numba import cuda
     dec.decode(latents)
@@ -165,6 +150,7 @@ def main(argv=None):
 
     import torch
     from reference import vae_decoder
+    from torch_timing import median_ms
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
@@ -199,7 +185,7 @@ def main(argv=None):
         for name, tf32 in (("fp32", False), ("tf32", True)):
             torch.backends.cudnn.allow_tf32 = tf32
             with torch.no_grad():
-                row[f"torch_{name}_ms"] = torch_ms(lambda: vae_decoder.decode(t32, SMALL, lat), torch, 10)
+                row[f"torch_{name}_ms"] = median_ms(lambda: vae_decoder.decode(t32, SMALL, lat), 10)
                 if ref_pixels is not None:
                     row[f"torch_{name}_vs_float64"] = off(vae_decoder.to_pixels(vae_decoder.decode(t32, SMALL, lat)),
                                                           ref_pixels)

@@ -36,6 +36,7 @@ from moss_cli.transformer import DEFAULTS, expected_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference.dit import Statement as TorchDit  # noqa: E402
+from torch_timing import median_ms  # noqa: E402
 
 TEXT = 300
 SKIP = (22,)
@@ -86,26 +87,11 @@ def make_weights(cfg, seed=0):
     return ours, theirs
 
 
-def timed(fn, reps, warm=2):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def product_rate():
     m, k, n = 4396, 3072, 16384
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    ms = timed(lambda: a @ b.T, 20)
+    ms = median_ms(lambda: a @ b.T, 20)
     return 2 * m * k * n / (ms * 1e-3) / 1e12
 
 
@@ -209,10 +195,11 @@ def main():
             single.append(dit.timings["gpu_s"] * 1e3)
         x = torch.as_tensor(noise, device="cuda")
         with torch.no_grad():
-            base_ms = timed(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 3, warm=1)
+            base_ms = median_ms(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 3, warm=1)
         flops = step_flops(cfg, h * w, TEXT, 2 * cfg["num_layers"] - len(SKIP))
         floor_ms = flops / (rate * 1e12) * 1e3
-        row = {"ours_ms": ours_ms, "ours_50_step_ms": trajectory_ms, "ours_with_progress_ms": progress_ms, "ours_single_step_ms": statistics.median(single),
+        row = {"ours_ms": ours_ms, "ours_50_step_ms": trajectory_ms, "ours_with_progress_ms": progress_ms,
+               "ours_single_step_ms": statistics.median(single),
                "host_ms_per_step": tm["launch_s"] * 1e3, "torch_bf16_ms": base_ms,
                "floor_ms": floor_ms, "ratio": base_ms / ours_ms, "step_tflop": flops / 1e12}
         out["sizes"][str(size)] = row
@@ -243,7 +230,7 @@ def main():
         return cuda.as_cuda_array(DeviceView(bits, bits.shape, [2 * s_ for s_ in bits.stride()], "<u2"))
     qn, kn, vn, on = as_nb(qkv[:, 0]), as_nb(qkv[:, 1]), as_nb(qkv[:, 2]), as_nb(o)
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-    ours_att = timed(lambda: [sdpa.attention(qn, kn, vn, on, D ** -0.5, stream=stream) for _ in range(10)], 5) / 10
+    ours_att = median_ms(lambda: [sdpa.attention(qn, kn, vn, on, D ** -0.5, stream=stream) for _ in range(10)], 5) / 10
     ops = CudaOps()        # ten calls captured in a CUDA graph, as the DiT's step graph runs them
     graph, gstream, _ = capture(ops, lambda: [sdpa.attention(qn, kn, vn, on, D ** -0.5, stream=ops.stream)
                                               for _ in range(10)])
@@ -264,7 +251,7 @@ def main():
                      ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         try:
             with sdpa_kernel([be]):
-                backends[name] = timed(lambda: [F.scaled_dot_product_attention(q, k, v) for _ in range(10)], 5) / 10
+                backends[name] = median_ms(lambda: [F.scaled_dot_product_attention(q, k, v) for _ in range(10)], 5) / 10
         except RuntimeError as e:
             backends[name] = f"unavailable: {e}"[:120]
     best = min(t_ for t_ in backends.values() if isinstance(t_, float))
