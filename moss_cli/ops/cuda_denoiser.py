@@ -133,8 +133,7 @@ class CudaDenoiser:
         start, stop = cuda.event(), cuda.event()
         stream = self._stream
         queue = numba_stream(stream)
-        done = [cuda.event(timing=False) for _ in range(2)]
-        ends = [cuda.event() for _ in range(steps)]       # each step's end: the per-step times in `timings`
+        ends = [cuda.event() for _ in range(steps)]       # each step's end: its time in `timings`, and progress
         for i in range(steps):
             graph = graphs[kinds[i]]
             latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
@@ -155,9 +154,8 @@ class CudaDenoiser:
                 continue
             # progress only: report step i - 1 once it is done, with step i already queued behind it, so
             # the GPU never waits for the host between steps
-            done[i % 2].record(queue)
             if i > 0:
-                done[(i - 1) % 2].synchronize()
+                ends[i - 1].synchronize()
                 on_step(i - 1, sigmas[i - 1], None, None)
         stop.record(queue)
         queued = time.perf_counter()
