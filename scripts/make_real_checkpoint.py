@@ -199,15 +199,9 @@ class Values:
 
 
 def _vae_value(r, name, shape):
-    if name == "bn.running_mean":
-        return r.normal(0.0, 0.5, shape)
-    if name == "bn.running_var":
-        return r.uniform(0.5, 2.0, shape)
-    module = name.rsplit(".", 2)[-2]
-    if "norm" in module:
-        return r.uniform(0.5, 1.5, shape) if name.endswith(".weight") else r.normal(0.0, 0.1, shape)
-    if name.endswith(".bias"):
-        return r.normal(0.0, 0.1, shape)
+    small = tiny.vae_small_value(r, name, shape)
+    if small is not None:
+        return small
     fan_in = int(np.prod(shape[1:]))
     return r.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(fan_in))
 

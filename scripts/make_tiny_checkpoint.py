@@ -265,6 +265,14 @@ def vae_value(name, shape):
     r = rng("vae", name)
     if name == "bn.num_batches_tracked":
         return np.array(1000, dtype=np.int64)
+    small = vae_small_value(r, name, shape)
+    return r.normal(0.0, 1.0 / np.sqrt(fan_in(shape)), shape) if small is None else small
+
+
+def vae_small_value(r, name, shape):
+    """A VAE tensor that is not a convolution or linear weight, drawn from r (BN statistics, norm scales and
+    offsets, biases); None for the weights, whose draw is the caller's (make_real_checkpoint.py draws them in
+    float32)."""
     if name == "bn.running_mean":
         return r.normal(0.0, 0.5, shape)
     if name == "bn.running_var":
@@ -274,7 +282,7 @@ def vae_value(name, shape):
         return r.uniform(0.5, 1.5, shape) if name.endswith(".weight") else r.normal(0.0, 0.1, shape)
     if name.endswith(".bias"):
         return r.normal(0.0, 0.1, shape)
-    return r.normal(0.0, 1.0 / np.sqrt(fan_in(shape)), shape)
+    return None
 
 
 # --- writing ---------------------------------------------------------------------------------------
