@@ -449,8 +449,9 @@ SLICE_K = 2048       # columns of one accumulation (HalfProduct)
 def slices(k):
     """(start, length) of HalfProduct's K slices: equal lengths, multiples of 128 columns (256-byte aligned
     starts, as cuBLASLt's heuristic assumes), the last one shorter."""
-    parts = -(-k // SLICE_K)
-    size = -(-(-(-k // parts)) // 128) * 128
+    parts = -(-k // SLICE_K)           # ceil(k / SLICE_K)
+    per = -(-k // parts)               # ceil(k / parts)
+    size = -(-per // 128) * 128        # rounded up to a multiple of 128
     return [(k0, min(size, k - k0)) for k0 in range(0, k, size)]
 
 
