@@ -200,9 +200,10 @@ def _make_im2col(control, taps, up):
 
 def _make_finish(control):
     @jit
-    def finish(d, peak_a, peak_w, bias, out, offset, channels):
-        """out = d / (scale_a scale_w) + bias over d [M, N]: channels: out is [N, total] (out[n, offset + m],
-        a transpose through a shared tile), else out [M, N] (out[m, n]); bias [N] or empty."""
+    def finish(d, peak_a, peak_w, bias, res, out, offset, channels):
+        """out = d / (scale_a scale_w) + bias (+ res) over d [M, N]: channels: out is [N, total] (out[n, offset +
+        m], a transpose through a shared tile), else out [M, N] (out[m, n]); bias [N] or empty; res shaped as
+        out, or empty (added last)."""
         sh = cuda.shared.array((TILE, TILE_PAD), float32)
         inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
         m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
@@ -219,11 +220,17 @@ def _make_finish(control):
             if channels:
                 n, m = n0 + j, m0 + tx
                 if m < d.shape[0] and n < d.shape[1]:
-                    out[n, offset + m] = sh[tx, j]
+                    v = sh[tx, j]
+                    if res.size > 0:
+                        v += res[n, offset + m]
+                    out[n, offset + m] = v
             else:
                 m, n = m0 + j, n0 + tx
                 if m < d.shape[0] and n < d.shape[1]:
-                    out[m, n] = sh[j, tx]
+                    v = sh[j, tx]
+                    if res.size > 0:
+                        v += res[m, n]
+                    out[m, n] = v
     return finish
 
 
@@ -360,17 +367,23 @@ def im2col(x, peak, cols, r0, taps, up=False, stream=0, control=False):
     _make_im2col(control, taps, up)[grid, (tx, ROWS), stream](x, peak, cols, int(r0))
 
 
-def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, stream=0, control=False):
-    """out from the scaled product d [M, N] (see the kernel); bias None or [N]."""
-    if bias is None:
-        bias = cuda.device_array(0, np.float32) if SIMULATED else _no_bias()
+def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):
+    """out from the scaled product d [M, N] (see the kernel); bias None or [N]; residual None or shaped as out."""
+    bias = _empty(1) if bias is None else bias
+    residual = _empty(2) if residual is None else residual.reshape(out.shape)
     grid = (-(-d.shape[0] // TILE), -(-d.shape[1] // TILE))
-    _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, out, int(offset), bool(channels))
+    _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, residual, out, int(offset),
+                                                 bool(channels))
+
+
+def _empty(ndim):
+    """A float32 array of ndim dimensions and no elements: the kernels' 'none' (one per process on the device)."""
+    return cuda.device_array((0,) * ndim, np.float32) if SIMULATED else _device_empty(ndim)
 
 
 @functools.cache
-def _no_bias():
-    return cuda.device_array(0, np.float32)
+def _device_empty(ndim):
+    return cuda.device_array((0,) * ndim, np.float32)
 
 
 def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False):
@@ -607,7 +620,7 @@ def _ref_conv(inp):
 def _make_finish_inputs(rng, size):
     m, n = (40, 36) if size == "tiny" else (65536, 384)
     return {"d": rng.standard_normal((m, n)).astype(np.float32) * 1e4, "b": rng.standard_normal(n).astype(np.float32),
-            "pa": np.float32(3.0), "pw": np.float32(0.01)}
+            "pa": np.float32(3.0), "pw": np.float32(0.01), "r": rng.standard_normal((n, m + 3)).astype(np.float32)}
 
 
 def _run_finish(inp, control):
@@ -617,15 +630,17 @@ def _run_finish(inp, control):
     rows = cuda.device_array((m, n), np.float32)
     chans = cuda.device_array((n, m + 3), np.float32)
     finish(d, pa, pw, b, rows, control=control)
-    finish(d, pa, pw, b, chans, 3, channels=True, control=control)
+    finish(d, pa, pw, b, chans, 3, channels=True, residual=cuda.to_device(inp["r"]), control=control)
     return np.concatenate([rows.copy_to_host(), chans.copy_to_host()[:, 3:].T])
 
 
 def _ref_finish(inp):
+    """The rows call without a residual, the channels call with one (one more rounding, of the sum)."""
     inv = 1.0 / (host_scale(inp["pa"]) * host_scale(inp["pw"]))
     ref = inp["d"].astype(np.float64) * inv + inp["b"].astype(np.float64)
     bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])) + 1e-30
-    return np.concatenate([ref, ref]), np.concatenate([bound, bound])
+    summed = ref + inp["r"][:, 3:].T.astype(np.float64)
+    return np.concatenate([ref, summed]), np.concatenate([bound, bound + 2 * EPS32 * np.abs(summed)])
 
 
 def _make_gn(rng, size):

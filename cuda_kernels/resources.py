@@ -98,7 +98,7 @@ def _signatures():
         "conv_split_rows": (conv._split_rows[False], (f2, f1, b2, t.boolean)),
         "conv_im2col_3x3": (conv._make_im2col(False, 3, False), (f3, f1, b2, t.int64)),
         "conv_im2col_3x3_up": (conv._make_im2col(False, 3, True), (f3, f1, b2, t.int64)),
-        "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, t.int64, t.boolean)),
+        "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
         "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),
         "group_norm_apply": (conv._gn_apply, (f2, f2, f1, f1, f2, t.boolean)),

@@ -130,26 +130,31 @@ class Decoder:
                 x = self._resnet(x, f"decoder.up_blocks.{i}.resnets.{j}.")
             if up:
                 x = self._conv(ops.upsample_nearest2x(x), f"decoder.up_blocks.{i}.upsamplers.0.conv.", 1)
-        x = ops.silu(self._norm(x, "decoder.conv_norm_out."))
-        return self._conv(x, "decoder.conv_out.", 1)
+        return self._conv(self._norm_silu(x, "decoder.conv_norm_out."), "decoder.conv_out.", 1)
 
     def _p(self, name):
         return self.ops.param(self.tensors, name)
 
-    def _conv(self, x, prefix, padding):
-        return self.ops.conv2d(x, self._p(prefix + "weight"), self._p(prefix + "bias"), padding)
+    def _conv(self, x, prefix, padding, residual=None):
+        return self.ops.conv2d(x, self._p(prefix + "weight"), self._p(prefix + "bias"), padding, residual=residual)
 
     def _norm(self, x, prefix):
         return self.ops.group_norm(x, self.c["groups"], self._p(prefix + "weight"), self._p(prefix + "bias"), NORM_EPS)
 
+    def _norm_silu(self, x, prefix):
+        return self.ops.group_norm_silu(x, self.c["groups"], self._p(prefix + "weight"), self._p(prefix + "bias"),
+                                        NORM_EPS)
+
     def _resnet(self, x, prefix):
-        """ResnetBlock2D: x + conv2(silu(norm2(conv1(silu(norm1(x)))))), x through a 1x1 conv_shortcut when widths differ."""
-        ops = self.ops
-        h = self._conv(ops.silu(self._norm(x, prefix + "norm1.")), prefix + "conv1.", 1)
-        h = self._conv(ops.silu(self._norm(h, prefix + "norm2.")), prefix + "conv2.", 1)
-        if x.shape[0] != h.shape[0]:
-            x = self._conv(x, prefix + "conv_shortcut.", 0)
-        return ops.add(x, h)
+        """ResnetBlock2D: x + conv2(silu(norm2(conv1(silu(norm1(x)))))), x through a 1x1 conv_shortcut when widths
+        differ. The sum is the last conv's residual (x + h and h + x are the same float): conv2's, or the
+        shortcut's after conv2; each intermediate is let go as soon as the next op has read it."""
+        h = self._conv(self._norm_silu(x, prefix + "norm1."), prefix + "conv1.", 1)
+        h = self._norm_silu(h, prefix + "norm2.")
+        if x.shape[0] == h.shape[0]:
+            return self._conv(h, prefix + "conv2.", 1, residual=x)
+        h = self._conv(h, prefix + "conv2.", 1)
+        return self._conv(x, prefix + "conv_shortcut.", 0, residual=h)
 
     def _attention(self, x, prefix):
         """Single-head self-attention over the H*W pixels (head dim = C, scale 1/sqrt(C)), plus the residual."""

@@ -166,6 +166,16 @@ wide64 = from_bf16_bits(qkv)
 qw, kw = ref.qk_norm_rope(wide64[:, :32].reshape(3, 2, 16), wide64[:, 32:64].reshape(3, 2, 16), wq, wk, cq, sq, 1e-6)
 check("qk_norm_rope q", qg, qw, 2 ** -8)
 check("qk_norm_rope k", kg, kw, 2 ** -8)
+# the decoder's ops (cuda_conv): split fp16 products, group norm with silu in its pass, a conv's residual
+xc, wc, bc = r(5, 3, 4), r(3, 5, 3, 3) / 6, r(3)
+rc = r(3, 3, 4)
+check("conv2d 3x3 + residual", gpu.conv2d(d(xc), d(wc), d(bc), 1, residual=d(rc)),
+      ref.conv2d(xc, wc, bc, 1, residual=rc), 1e-5)
+check("conv2d 1x1 of an upsampling", gpu.conv2d(gpu.upsample_nearest2x(d(xc)), d(wc[:, :, :1, :1].copy()), None, 0),
+      ref.conv2d(ref.upsample_nearest2x(xc), wc[:, :, :1, :1], None, 0), 1e-5)
+xn, gw, gb = r(8, 3, 4) * 2 + 5, 1 + r(8) * 0.3, r(8) * 0.3
+check("group_norm_silu", gpu.group_norm_silu(d(xn), 4, d(gw), d(gb), 1e-6), ref.group_norm_silu(xn, 4, gw, gb, 1e-6),
+      1e-5)
 print("all ops equal")
 '''
 

@@ -5,7 +5,8 @@ in float32, the latents' unpacking and the pixels' rounding on the device.
 Images are [C, H, W] float32 device arrays, as in the numpy table. A conv runs over chunks of output rows:
 split columns of the chunk (im2col), one product against the split weight [O, 3 K] (prepared once per
 weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
-chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias added.
+chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
+residual, the ResNet block's sum) added.
 """
 
 import weakref
@@ -43,8 +44,9 @@ class ConvCudaOps:
         conv.absmax(x, peak, stream=self.stream)
         return peak
 
-    def conv2d(self, x, w, b=None, padding=0):
-        """Stride-1 torch.nn.Conv2d of x [C, H, W] (or an Upsampled) with w [O, C, k, k] (k odd, padding k // 2)."""
+    def conv2d(self, x, w, b=None, padding=0, residual=None):
+        """Stride-1 torch.nn.Conv2d of x [C, H, W] (or an Upsampled) with w [O, C, k, k] (k odd, padding k // 2),
+        plus `residual` [O, H, W] (contiguous) when given, added in the same pass as the bias."""
         o, c, taps, wide = w.shape
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
@@ -58,17 +60,24 @@ class ConvCudaOps:
         cols = self.new((rows * width, weight.shape[1]), np.uint16)
         d = self.new((rows * width, o))
         flat = out.reshape(o, h * width)
+        res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0) * width
             conv.im2col(src, peak, cols[:n], r0, taps, up, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
-            conv.finish(d[:n], peak, peak_w, b, flat, r0 * width, channels=True, stream=self.stream)
+            conv.finish(d[:n], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
 
     def group_norm(self, x, groups, w, b, eps):
         """torch.nn.GroupNorm over x [C, H, W] (consecutive channel groups, biased variance, affine w, b)."""
         out = self.new(x.shape)
         conv.group_norm(x, w, b, out, groups, eps, False, self.new((2, groups, conv.GN_PARTS)), stream=self.stream)
+        return out
+
+    def group_norm_silu(self, x, groups, w, b, eps):
+        """silu(group_norm(x, ...)) in the group norm's own pass (no [C, H, W] between the two)."""
+        out = self.new(x.shape)
+        conv.group_norm(x, w, b, out, groups, eps, True, self.new((2, groups, conv.GN_PARTS)), stream=self.stream)
         return out
 
     def upsample_nearest2x(self, x):

@@ -9,15 +9,15 @@ uint16 bits, and each linear rounds its input to bf16 for the tensor-core produc
 unless the op before it already wrote bf16 bits (`operand=True`: norms, swiglu). Weights read together
 (`params`) are stacked once into one matrix, so projections of one input are one product whose column
 blocks the next kernels read in place (strided views); residual adds are the product's beta = 1 epilogue.
-Intermediates come from a pool keyed by size and go back when no array refers to them, so the same
-sequence of ops reuses the same buffers: that is what lets a forward pass be captured as a CUDA graph
-once per prompt-length bucket and replayed (stream order keeps reuse safe inside one graph).
+Intermediates come from the process's one pool (cuda_pool: best fit, shared by every component) and go
+back when no array refers to them, so the same sequence of ops reuses the same buffers: that is what lets
+a forward pass be captured as a CUDA graph once per prompt-length bucket and replayed (stream order keeps
+reuse safe inside one graph).
 Importing this module needs numba-cuda and nvmath-python (the GPU extra).
 """
 
 import time
 import weakref
-from collections import defaultdict
 
 import numpy as np
 from numba import cuda
@@ -30,6 +30,7 @@ from ..encoder import Qwen35Encoder, text_config
 from .cuda_conv import ConvCudaOps
 from .cuda_dit import DitCudaOps
 from .cuda_gdn import GdnCudaOps
+from .cuda_pool import Pool
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -93,8 +94,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         self.stream = 0
         self.capturing = False
         self._params = {}
-        self._free = defaultdict(list)
-        self.pool_bytes = 0     # device bytes the pool has allocated (activations, workspaces)
+        self.pool = shared_pool()
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.ids = None         # the last token-id buffer embedding() made: held until the next one, so it
                                 # outlives the kernels queued on it
@@ -123,18 +123,21 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         self._pending = {}             # id(weight) -> the event its prefetch records on the side stream
 
     # --- memory -------------------------------------------------------------------------------
+    @property
+    def pool_bytes(self):
+        """Device bytes the shared pool has allocated (activations, workspaces of every component)."""
+        return self.pool.bytes
+
     def new(self, shape, dtype=np.float32):
         """An uninitialised device array from the pool."""
         shape = tuple(int(n) for n in shape)
-        if SIMULATED:        # the simulator's arrays have no device address to lend
-            return cuda.device_array(shape, dtype)
-        nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        free = self._free[nbytes]
-        if not free:
-            self.pool_bytes += nbytes
-        base = free.pop() if free else cuda.device_array(nbytes, np.uint8)
-        lease = DeviceView(base, shape, None, np.dtype(dtype).str)   # lent out: its death returns base
-        weakref.finalize(lease, free.append, base)
+        block = self.pool.take(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        if SIMULATED:        # the simulator's arrays have no device address to lend: the pool only counts
+            out = cuda.device_array(shape, dtype)
+            weakref.finalize(out._ary, self.pool.give, block)     # its views hold this numpy array
+            return out
+        lease = DeviceView(block.base, shape, None, np.dtype(dtype).str)   # lent out: its death returns the block
+        weakref.finalize(lease, self.pool.give, block)
         return cuda.as_cuda_array(lease, sync=False)
 
     def _upload(self, host):
@@ -504,6 +507,16 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
         rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
         return out
+
+
+_POOL = []
+
+
+def shared_pool():
+    """The process's one device pool (made on first use)."""
+    if not _POOL:
+        _POOL.append(Pool((lambda n: None) if SIMULATED else (lambda n: cuda.device_array(n, np.uint8))))
+    return _POOL[0]
 
 
 def numba_stream(stream):

@@ -8,8 +8,9 @@ IM2COL_BUDGET = 1 << 23
 
 
 class ConvOps:
-    def conv2d(self, x, w, b=None, padding=0):
-        """Stride-1 cross-correlation as torch.nn.Conv2d: x [C, H, W], w [O, C, kh, kw], b [O] -> [O, H', W'].
+    def conv2d(self, x, w, b=None, padding=0, residual=None):
+        """Stride-1 cross-correlation as torch.nn.Conv2d: x [C, H, W], w [O, C, kh, kw], b [O] -> [O, H', W'],
+        plus `residual` [O, H', W'] when given (added last, after the bias).
 
         im2col over bands of output rows, one matmul per band against w as [O, C*kh*kw]. Columns run over
         the padded width, so each (channel, tap) row of the band is one contiguous run of the flat padded
@@ -35,6 +36,8 @@ class ConvOps:
                 out[:, r0:r1] = np.matmul(wm, cols).reshape(o, r1 - r0, wp)[:, :, :wo]
         if b is not None:
             out += b[:, None, None]
+        if residual is not None:
+            out += residual
         return out
 
     def group_norm(self, x, groups, w, b, eps):
@@ -53,6 +56,10 @@ class ConvOps:
         y = np.multiply(x, s[:, None, None], out=d.reshape(x.shape))
         y += t[:, None, None]
         return y
+
+    def group_norm_silu(self, x, groups, w, b, eps):
+        """silu(group_norm(x, ...)): one op, so a table may fuse the two (the GPU's is one kernel)."""
+        return self.silu(self.group_norm(x, groups, w, b, eps))
 
     def upsample_nearest2x(self, x):
         """Nearest-neighbour x2 (torch interpolate scale_factor=2, mode "nearest"): out[c, 2i+a, 2j+b] = x[c, i, j]."""
