@@ -87,6 +87,16 @@ def load(d):
         ["run", "seconds", "moved", "upload rate"], rows)
 
 
+def _memory_parts(d):
+    """' (after the load X GB, the shared pool Y GB)' where the run reported them."""
+    parts = []
+    if "device_memory_after_load_GB" in d:
+        parts.append(f"after the load {d['device_memory_after_load_GB']:.1f} GB")
+    if "pool_GB" in d:
+        parts.append(f"the shared pool {d['pool_GB']:.2f} GB")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def picture(d, dit_json=None, decoder_json=None):
     rows = []
     for p in d["pictures"]:
@@ -103,7 +113,7 @@ def picture(d, dit_json=None, decoder_json=None):
     head = ["picture", "encode", "denoise", "decode", "total", "baseline (same run)"]
     lines = ["### Whole picture", "", f"Weights on the GPU {d['start_to_loaded_s']:.1f} s after process start; "
              f"first denoising step at {d.get('start_to_first_step_s', float('nan')):.1f} s; "
-             f"{d['device_memory_in_use_GB']:.1f} GB of device memory in use.", ""]
+             f"{d['device_memory_in_use_GB']:.1f} GB of device memory in use{_memory_parts(d)}.", ""]
     if d.get("decode_errors"):
         lines += [f"Decode failed: {d['decode_errors'][0]}", ""]
     return lines + _table(head, rows)

@@ -99,9 +99,12 @@ def _op_errors(dec, latents):
         row[1], row[2] = max(row[1], err), max(row[2], peak)
 
     references = {
-        "conv2d": lambda x, w, b=None, padding=0: F.conv2d(t64(x)[None], t64(w), None if b is None else t64(b),
-                                                         padding=padding)[0],
+        "conv2d": lambda x, w, b=None, padding=0, residual=None: F.conv2d(
+            t64(x)[None], t64(w), None if b is None else t64(b), padding=padding)[0]
+        + (0 if residual is None else t64(residual)),
         "group_norm": lambda x, groups, w, b, eps: F.group_norm(t64(x)[None], groups, t64(w), t64(b), eps)[0],
+        "group_norm_silu": lambda x, groups, w, b, eps: F.silu(F.group_norm(t64(x)[None], groups, t64(w), t64(b),
+                                                                            eps)[0]),
         "silu": lambda x: F.silu(t64(x)),
         "add": lambda a, b: t64(a) + t64(b),
         "split_linear": lambda x, w, b=None: F.linear(t64(x), t64(w), None if b is None else t64(b)),

@@ -4,8 +4,8 @@ stage, for each size twice (the second picture, another seed, reuses the loaded 
 graphs).
 
 Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
-the encode, denoise and decode seconds and their sum; device memory in use at the end (the pools only
-grow, so this is the peak of the run). Writes JSON and the PNGs beside it.
+the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
+(the pool only grows, so this is the peak of the run), and the shared pool's part of it. Writes JSON and the PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
 """
@@ -59,7 +59,7 @@ def main():
         cuda.synchronize()
     loaded = time.perf_counter()
     out = {"imports_s": imported - START, "load_s": loaded - imported, "start_to_loaded_s": loaded - START,
-           "pictures": []}
+           "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s)",
           flush=True)
     folder = Path(args.out).parent
@@ -95,6 +95,9 @@ def main():
     free1, _ = memory()
     out["device_memory_in_use_GB"] = (total - free1) / 1e9
     out["device_memory_by_this_run_GB"] = (free0 - free1) / 1e9
+    if args.device == "cuda":          # the one pool every component's activations and workspaces come from
+        from moss_cli.ops.cuda_table import shared_pool
+        out["pool_GB"] = shared_pool().bytes / 1e9
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -40,3 +40,14 @@ def test_a_missing_output_leaves_its_table_out(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("### ") == 1 and "### DiT" in done.stdout
+
+
+def test_the_picture_line_splits_the_memory_where_the_run_reported_it():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    run = {"start_to_loaded_s": 3.0, "device_memory_in_use_GB": 31.04, "device_memory_after_load_GB": 26.61,
+           "pool_GB": 4.374, "pictures": []}
+    assert "31.0 GB of device memory in use (after the load 26.6 GB, the shared pool 4.37 GB)" in \
+        "\n".join(bench_tables.picture(run))
+    del run["pool_GB"], run["device_memory_after_load_GB"]
+    assert "31.0 GB of device memory in use." in "\n".join(bench_tables.picture(run))
