@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from numba import config, cuda, float32, uint16, uint32
+from numba import config, cuda, float32, uint16, uint32, uint64
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 
@@ -154,6 +154,15 @@ def row_team(d):
     while team < TEAM_MAX and team * TEAM_PER < d:
         team *= 2
     return team, max(1, min(TEAM_PER_MAX, -(-d // team)))
+
+
+@jit(device=True, forceinline=True)
+def team_row(rows, team):
+    """This thread's (row, clamped to the last, as uint64; its lane in the row's team; whether the row exists)
+    where a team of `team` threads takes a row and a block BLOCK // team rows. A thread past the last row
+    still joins its team's sums (on the last row's values) and returns before it stores."""
+    row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
+    return uint64(min(row, rows - 1)), cuda.threadIdx.x % team, row < rows
 
 
 @jit(device=True, forceinline=True)

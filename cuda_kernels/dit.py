@@ -13,7 +13,7 @@ from numba import cuda, float32, uint16, uint32, uint64
 
 from .elementwise import _words
 from .core import (BLOCK, EPS16, EPS32, SHARED, SIMULATED, Case, DeviceView, as_float32, bf16_bound, float32_bits, from_bf16_bits, gamma, jit, narrow,
-                   row_team, team_sum, to_bf16_bits, widen)
+                   row_team, team_row, team_sum, to_bf16_bits, widen)
 
 
 def _row_geometry(rows, d):
@@ -40,10 +40,7 @@ def _norm_modulate(residual, bits_in, control, team, per):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(per, float32)
         rows, d = x.shape
-        row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
-        lane = cuda.threadIdx.x % team
-        live = row < rows
-        r = uint64(min(row, rows - 1))
+        r, lane, live = team_row(rows, team)
         acc = float32(0.0)
         for j in range(per):
             i = lane + j * team
@@ -90,10 +87,7 @@ def _norm_modulate_pairs(residual, bits_in, control, team, per):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(size, float32)
         rows, words = x.shape
-        row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
-        lane = cuda.threadIdx.x % team
-        live = row < rows
-        r = uint64(min(row, rows - 1))
+        r, lane, live = team_row(rows, team)
         acc = float32(0.0)
         for j in range(per):
             i = lane + j * team
