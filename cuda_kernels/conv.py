@@ -112,6 +112,15 @@ def weight_matrix(w):
 
 
 # --- kernels ------------------------------------------------------------------------------
+@jit(device=True, forceinline=True)
+def _gn_silu(v, c, stats, w, b):
+    """silu((v - mean) (w[c] rstd) + b[c]) for a value v of channel c, its group's (mean, rstd) in stats [G, 2+]
+    (consecutive channel groups). The one formula of the group norm's output wherever it is made."""
+    g = c // (w.shape[0] // stats.shape[0])
+    y = (v - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
+    return y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
+
+
 def _make_zero():
     @jit
     def zero(peak):
@@ -120,15 +129,17 @@ def _make_zero():
     return zero
 
 
-def _make_absmax(control):
+def _make_absmax(control, norm=False):
     @jit
-    def absmax(x, peak):
-        """peak[0] = max(peak[0], max |x|) over flat x (peak zeroed before)."""
+    def absmax(x, peak, stats, w, b, plane):
+        """peak[0] = max(peak[0], max |x|) over flat x (peak zeroed before); norm: of silu(group_norm(x)) for
+        x of channels of `plane` values each, the group statistics in stats (see _gn_silu)."""
         sh = cuda.shared.array(BLOCK, float32)
         tid = cuda.threadIdx.x
         m = float32(0.0)
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            m = max(m, x[i] if control else abs(x[i]))
+            v = _gn_silu(x[i], i // plane, stats, w, b) if norm else x[i]
+            m = max(m, v if control else abs(v))
         sh[tid] = m
         cuda.syncthreads()
         step = BLOCK // 2
@@ -160,13 +171,14 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_im2col(control, taps, up):
+def _make_im2col(control, taps, up, norm=False):
     """Columns of a stride-1 conv with `taps` x `taps` taps (padding taps // 2), for image rows [r0, r0 + rows)
-    of the output; up: the input is the nearest-2x upsampling of x (read through, never written)."""
+    of the output; up: the input is the nearest-2x upsampling of x (read through, never written); norm: the
+    input is silu(group_norm(x)) of the group statistics in stats (made on each read, never written)."""
     pad = taps // 2
 
     @jit
-    def im2col(x, peak, cols, r0):
+    def im2col(x, peak, cols, r0, stats, gw, gb):
         """cols[p, part K + t C + c] (K = taps^2 C, parts hi | lo | hi) for output pixel p of the chunk, tap t,
         channel c; threads along c (coalesced writes), rows of the block along pixels."""
         s = scale_of(peak[0])
@@ -188,6 +200,8 @@ def _make_im2col(control, taps, up):
                 v = float32(0.0)
                 if 0 <= yy < h and 0 <= xx < w:
                     v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
+                    if norm:
+                        v = _gn_silu(v, c, stats, gw, gb)
                 v *= s
                 hi = to_half(v)
                 lo = to_half(v - from_half(hi)) if not control else uint16(0)
@@ -289,11 +303,11 @@ def _make_gn_apply():
         per = x.shape[0] // stats.shape[0]
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             c, p = i // x.shape[1], i % x.shape[1]
-            g = c // per
-            y = (x[c, p] - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
             if silu:
-                y = y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
-            out[c, p] = y
+                out[c, p] = _gn_silu(x[c, p], c, stats, w, b)
+            else:
+                g = c // per
+                out[c, p] = (x[c, p] - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
     return gn_apply
 
 
@@ -332,7 +346,7 @@ def _make_pixels(control):
 
 
 _zero = _make_zero()
-_absmax = {c: _make_absmax(c) for c in (False, True)}
+_absmax = {(c, n): _make_absmax(c, n) for c in (False, True) for n in (False, True)}
 _split_rows = {c: _make_split_rows(c) for c in (False, True)}
 _finish = {c: _make_finish(c) for c in (False, True)}
 _gn_sums = {c: _make_gn_sums(c) for c in (False, True)}
@@ -343,10 +357,18 @@ _pixels = {c: _make_pixels(c) for c in (False, True)}
 
 
 # --- launchers ----------------------------------------------------------------------------
-def absmax(x, peak, stream=0, control=False):
-    """peak[0] = max |x| over x (any shape, contiguous), on the device."""
+def absmax(x, peak, norm=None, stream=0, control=False):
+    """peak[0] = max |x| over x (any shape, contiguous), on the device; norm (stats, w, b) from group_stats:
+    max |silu(group_norm(x))| over x [C, H, W] instead."""
     _zero[1, 1, stream](peak)
-    _absmax[control][_blocks(x.size), BLOCK, stream](x.reshape(x.size), peak)
+    stats, w, b = _no_norm() if norm is None else norm
+    _absmax[control, norm is not None][_blocks(x.size), BLOCK, stream](x.reshape(x.size), peak, stats, w, b,
+                                                                     x.size // x.shape[0])
+
+
+def _no_norm():
+    """The (stats, w, b) arguments of a kernel that normalises nothing."""
+    return _empty(2), _empty(1), _empty(1)
 
 
 def split_rows(x, peak, out, weight=False, stream=0, control=False):
@@ -359,12 +381,14 @@ def chunk_rows(c_in, taps, width):
     return max(1, COLUMN_BYTES // (3 * taps * taps * c_in * 2 * width))
 
 
-def im2col(x, peak, cols, r0, taps, up=False, stream=0, control=False):
+def im2col(x, peak, cols, r0, taps, up=False, norm=None, stream=0, control=False):
     """cols [rows W, 3 taps^2 C] fp16 bits: the split columns of output rows r0.. of a conv over x [C, H, W]
-    (up: over the nearest-2x upsampling of x), zero padding taps // 2, x scaled by scale_of(peak[0])."""
+    (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over silu(group_norm(x))),
+    zero padding taps // 2, the input scaled by scale_of(peak[0])."""
     tx = min(32, x.shape[0])
     grid = (max(1, min(-(-cols.shape[0] // ROWS), 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
-    _make_im2col(control, taps, up)[grid, (tx, ROWS), stream](x, peak, cols, int(r0))
+    stats, w, b = _no_norm() if norm is None else norm
+    _make_im2col(control, taps, up, norm is not None)[grid, (tx, ROWS), stream](x, peak, cols, int(r0), stats, w, b)
 
 
 def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):
@@ -386,14 +410,22 @@ def _device_empty(ndim):
     return cuda.device_array((0,) * ndim, np.float32)
 
 
-def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False):
-    """out = GroupNorm(x) (then silu) over x [C, H, W] float32 (consecutive channel groups; float32 sums: the
-    mean, then the squares about it); partial a float32 workspace [2, groups, GN_PARTS]."""
+def group_stats(x, groups, eps, partial, stream=0, control=False):
+    """The group statistics of x [C, H, W] float32 (consecutive channel groups; float32 sums: the mean, then the
+    squares about it) into the workspace partial [2, groups, GN_PARTS]; returns partial[0], whose [g, :2] are
+    group g's (mean, 1 / sqrt(var + eps))."""
     xg = x.reshape(groups, x.size // groups)
-    rows = (x.shape[0], x.size // x.shape[0])
     _gn_sums[False][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[0], False)
     _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], True)
     _gn_stats[1, max(32, groups), stream](partial, np.float32(x.size // groups), np.float32(eps))
+    return partial[0]
+
+
+def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False):
+    """out = GroupNorm(x) (then silu) over x [C, H, W] float32 (group_stats, then each value); partial a float32
+    workspace [2, groups, GN_PARTS]."""
+    group_stats(x, groups, eps, partial, stream=stream, control=control)
+    rows = (x.shape[0], x.size // x.shape[0])
     _gn_apply[_blocks(x.size), BLOCK, stream](x.reshape(rows), partial[0], w, b, out.reshape(rows),
                                                      bool(silu))
 
@@ -585,8 +617,19 @@ def _make_conv(taps, up):
     return make
 
 
+def _make_conv_norm(rng, size):
+    """A conv over silu(group_norm(x)), x of a mean far from zero."""
+    c, o, h, w, groups = (8, 3, 3, 4, 4) if size == "tiny" else (192, 96, 256, 256, 32)
+    x = (rng.standard_normal((c, h, w)) * 2 + 40).astype(np.float32)
+    wt = (rng.standard_normal((o, c, 3, 3)) / math.sqrt(c * 9)).astype(np.float32)
+    return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": 3, "up": False,
+            "gw": (1 + 0.3 * rng.standard_normal(c)).astype(np.float32),
+            "gb": (0.3 * rng.standard_normal(c)).astype(np.float32), "groups": groups}
+
+
 def _run_conv(inp, control):
-    """The columns chunk by chunk (two rows a chunk in the tiny case), the product, finish into [O, H, W]."""
+    """The columns chunk by chunk (two rows a chunk in the tiny case), the product, finish into [O, H, W]; with
+    "gw" in inp, over silu(group_norm(x)) made in the peak's and the columns' reads."""
     x = cuda.to_device(inp["x"])
     taps, up = inp["taps"], inp["up"]
     wm, wpeak = weight_matrix(inp["w"])
@@ -596,25 +639,35 @@ def _run_conv(inp, control):
     o = wm.shape[0]
     out = cuda.device_array((o, h * wd), np.float32)
     peak = cuda.device_array(1, np.float32)
-    absmax(x, peak)
+    norm = None
+    if "gw" in inp:
+        partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
+        norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
+    absmax(x, peak, norm)
     rows = 2 if SIMULATED else chunk_rows(c, taps, wd)
     for r0 in range(0, h, rows):
         n = min(rows, h - r0) * wd
         cols = cuda.device_array((n, wm.shape[1]), np.uint16)
         d = cuda.device_array((n, o), np.float32)
-        im2col(x, peak, cols, r0, taps, up, control=control)
+        im2col(x, peak, cols, r0, taps, up, norm, control=control)
         half_product(cols, w, d)
         finish(d, peak, peak_w, bias, out, r0 * wd, channels=True)
     return out.copy_to_host().reshape(o, h, wd)
 
 
 def _ref_conv(inp):
+    """With "gw": the conv of the float64 group norm + silu, plus that norm's own bound carried through |w|."""
     taps, up = inp["taps"], inp["up"]
-    ref = conv2d_reference(inp["x"], inp["w"], inp["b"], taps // 2, up)
-    terms = conv2d_reference(np.abs(inp["x"]), np.abs(inp["w"]), np.abs(inp["b"]), taps // 2, up)
-    k = inp["x"].shape[0] * taps * taps
-    peaks = float(np.abs(inp["x"]).max() * np.abs(inp["w"]).max())
-    return ref, product_bound(terms, k, peaks)
+    x, carried = inp["x"], 0.0
+    if "gw" in inp:
+        args = (inp["x"], inp["gw"], inp["gb"], inp["groups"])
+        x = group_norm_reference(*args, 1e-6, True)
+        carried = conv2d_reference(group_norm_bound(*args, True), np.abs(inp["w"]), None, taps // 2)
+    ref = conv2d_reference(x, inp["w"], inp["b"], taps // 2, up)
+    terms = conv2d_reference(np.abs(x), np.abs(inp["w"]), np.abs(inp["b"]), taps // 2, up)
+    k = x.shape[0] * taps * taps
+    peaks = float(np.abs(x).max() * np.abs(inp["w"]).max())
+    return ref, product_bound(terms, k, peaks) + carried
 
 
 def _make_finish_inputs(rng, size):
@@ -728,6 +781,8 @@ CASES = [
          notes="the nearest-2x upsampling read through; control: taps transposed, lo zero"),
     Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
          notes="control: the columns' lo parts zero (and taps transposed)"),
+    Case("conv3x3_norm_split", _make_conv_norm, _run_conv, _ref_conv,
+         notes="silu(group_norm(x)) made in the peak's and the columns' reads; control: taps transposed, lo zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),

@@ -174,8 +174,9 @@ check("conv2d 3x3 + residual", gpu.conv2d(d(xc), d(wc), d(bc), 1, residual=d(rc)
 check("conv2d 1x1 of an upsampling", gpu.conv2d(gpu.upsample_nearest2x(d(xc)), d(wc[:, :, :1, :1].copy()), None, 0),
       ref.conv2d(ref.upsample_nearest2x(xc), wc[:, :, :1, :1], None, 0), 1e-5)
 xn, gw, gb = r(8, 3, 4) * 2 + 5, 1 + r(8) * 0.3, r(8) * 0.3
-check("group_norm_silu", gpu.group_norm_silu(d(xn), 4, d(gw), d(gb), 1e-6), ref.group_norm_silu(xn, 4, gw, gb, 1e-6),
-      1e-5)
+wn = r(3, 8, 3, 3) / 8       # a conv over silu(group_norm(x)), made in the conv's reads on the GPU
+check("conv2d of group_norm_silu", gpu.conv2d(gpu.group_norm_silu(d(xn), 4, d(gw), d(gb), 1e-6), d(wn), d(bc), 1),
+      ref.conv2d(ref.group_norm_silu(xn, 4, gw, gb, 1e-6), wn, bc, 1), 1e-5)
 print("all ops equal")
 '''
 

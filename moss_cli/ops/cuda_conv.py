@@ -2,7 +2,9 @@
 products of the decoder's attention as split fp16 products on tensor cores (cuda_kernels.conv), group norm
 in float32, the latents' unpacking and the pixels' rounding on the device.
 
-Images are [C, H, W] float32 device arrays, as in the numpy table. A conv runs over chunks of output rows:
+Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
+nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
+never written. A conv runs over chunks of output rows:
 split columns of the chunk (im2col), one product against the split weight [O, 3 K] (prepared once per
 weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
 chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
@@ -26,6 +28,17 @@ class Upsampled:
         self.dtype = x.dtype
 
 
+class Normalized:
+    """silu(group_norm(x)) of x [C, H, W], never written: conv2d makes each value where it reads it (its peak's
+    pass and its columns), from the group statistics in `partial` (conv.group_stats) and the affine w, b."""
+
+    def __init__(self, x, partial, w, b, groups, eps):
+        self.x, self.partial, self.w, self.b, self.groups, self.eps = x, partial, w, b, groups, eps
+        self.norm = (partial[0], w, b)
+        self.shape = x.shape
+        self.dtype = x.dtype
+
+
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
@@ -39,22 +52,23 @@ class ConvCudaOps:
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
 
-    def _peak(self, x):
+    def _peak(self, x, norm=None):
         peak = self.new((1,))
-        conv.absmax(x, peak, stream=self.stream)
+        conv.absmax(x, peak, norm, stream=self.stream)
         return peak
 
     def conv2d(self, x, w, b=None, padding=0, residual=None):
-        """Stride-1 torch.nn.Conv2d of x [C, H, W] (or an Upsampled) with w [O, C, k, k] (k odd, padding k // 2),
-        plus `residual` [O, H, W] (contiguous) when given, added in the same pass as the bias."""
+        """Stride-1 torch.nn.Conv2d of x [C, H, W] (or an Upsampled, or a Normalized) with w [O, C, k, k] (k odd,
+        padding k // 2), plus `residual` [O, H, W] (contiguous) when given, added in the same pass as the bias."""
         o, c, taps, wide = w.shape
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
         up = isinstance(x, Upsampled)
-        src = x.x if up else x
+        norm = x.norm if isinstance(x, Normalized) else None
+        src = x.x if up or norm else x
         _, h, width = x.shape
         weight, peak_w = self._split_weight(w)
-        peak = self._peak(src)
+        peak = self._peak(src, norm)
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, taps, width))
         cols = self.new((rows * width, weight.shape[1]), np.uint16)
@@ -63,7 +77,7 @@ class ConvCudaOps:
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0) * width
-            conv.im2col(src, peak, cols[:n], r0, taps, up, stream=self.stream)
+            conv.im2col(src, peak, cols[:n], r0, taps, up, norm, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
@@ -75,10 +89,11 @@ class ConvCudaOps:
         return out
 
     def group_norm_silu(self, x, groups, w, b, eps):
-        """silu(group_norm(x, ...)) in the group norm's own pass (no [C, H, W] between the two)."""
-        out = self.new(x.shape)
-        conv.group_norm(x, w, b, out, groups, eps, True, self.new((2, groups, conv.GN_PARTS)), stream=self.stream)
-        return out
+        """silu(group_norm(x, ...)) as a Normalized that only conv2d reads: the statistics now, each value in
+        the conv's reads (no [C, H, W] written)."""
+        partial = self.new((2, groups, conv.GN_PARTS))
+        conv.group_stats(x, groups, eps, partial, stream=self.stream)
+        return Normalized(x, partial, w, b, groups, eps)
 
     def upsample_nearest2x(self, x):
         """out[c, 2i+a, 2j+b] = x[c, i, j], as a view the next conv2d reads through (Upsampled)."""
