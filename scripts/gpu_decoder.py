@@ -9,6 +9,7 @@ tests) in float32 with and without TF32 convolutions, and the share of uint8 val
 float64 decode of the same statement on the GPU (plus our raw output's max abs error against it).
 
     python scripts/gpu_decoder.py --ops 1024     # each op's own error, to find where an excess comes from
+    python scripts/gpu_decoder.py --profile      # also where each decode's time goes, kernel by kernel (CUPTI)
 
 --ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
 inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
@@ -132,6 +133,15 @@ def _op_errors(dec, latents):
     return worst
 
 
+KERNELS = ("Memcpy", "im2col", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows", "softmax", "unpack",
+           "pixels", "zero", "copy")
+
+
+def _kernel_group(name):
+    """A kernel's row in --profile: ours by name, the products (cuBLASLt) by theirs."""
+    return next((key for key in KERNELS if key in name), "cuBLAS " + name[:60])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_out"))
@@ -139,6 +149,7 @@ def main(argv=None):
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
+    parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -153,7 +164,7 @@ def main(argv=None):
 
     import torch
     from reference import vae_decoder
-    from torch_timing import median_ms
+    from torch_timing import cuda_spans, kernel_table, median_ms, table_lines
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
@@ -169,6 +180,11 @@ def main(argv=None):
         pixels = dec.decode(latents)
         row["ours_first_call_s"] = time.perf_counter() - start
         row["ours_ms"] = ours_ms(dec, latents, args.replays)
+        if args.profile:
+            row["profile"] = kernel_table(cuda_spans(lambda: [dec.decode(latents) for _ in range(3)]), repeats=3,
+                                          group=_kernel_group)
+            print(f"{size}x{size} per decode: span {row['profile']['span_ms']:.1f} ms, kernels busy "
+                  f"{row['profile']['busy_ms']:.1f} ms\n" + "\n".join(table_lines(row["profile"])), flush=True)
         lat = torch.from_numpy(latents).cuda()
         try:
             t64 = vae_decoder.weights(tensors, torch.float64, "cuda")

@@ -36,7 +36,7 @@ from moss_cli.transformer import DEFAULTS, expected_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference.dit import Statement as TorchDit  # noqa: E402
-from torch_timing import median_ms  # noqa: E402
+from torch_timing import cuda_spans, kernel_table, median_ms, table_lines  # noqa: E402
 
 TEXT = 300
 SKIP = (22,)
@@ -103,29 +103,15 @@ def step_flops(cfg, tokens, text, layers_run):
 
 
 def profile_step(dit, cond, uncond):
-    """Kernels of two 1024x1024 CFG steps (graph replays) under CUPTI (torch.profiler): total ms per name."""
-    from torch.profiler import ProfilerActivity, profile
+    """Kernels of two 1024x1024 CFG steps (graph replays) under CUPTI: ms per name and step, the idle gaps."""
     noise = np.zeros((1, 128, 64, 64), np.float32)
     sig = schedule_sigmas(3, shift=5.0)
     dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.01, 1.0)
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.0, 1.0)       # two steps: the idle time between them
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type.name == "CUDA")
-    idle = sorted(((b[0] - a[1]) / 1e3, a[2][:40], b[2][:40]) for a, b in zip(spans, spans[1:]))[-6:]
-    print("longest idle gaps (ms, after, before):", idle)
-    totals = {}
-    for a, b, name in spans:
-        key = name[:60]
-        n, t = totals.get(key, (0, 0.0))
-        totals[key] = (n + 1, t + (b - a) / 1e3)
-    span = (max(b for _, b, _ in spans) - min(a for a, _, _ in spans)) / 1e3
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])
-    print(f"profile of two 1024 steps: span {span:.1f} ms, kernels {sum(t for _, (n, t) in rows):.1f} ms")
-    for name, (n, t) in rows[:25]:
-        print(f"  {t:8.2f} ms  {n:5d}x  {name}")
-    return {"span_ms": span, "steps": 2, "idle_gaps": idle,
-            "kernels": {k: {"count": n, "ms": t} for k, (n, t) in rows[:40]}}
+    table = kernel_table(cuda_spans(lambda: dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.0, 1.0)), repeats=2)
+    print(f"profile of two 1024 steps, per step: span {table['span_ms']:.1f} ms, kernels busy {table['busy_ms']:.1f} "
+          f"ms; longest idle gaps (ms, after, before): {table['idle_gaps_ms']}")
+    print("\n".join(table_lines(table)[:25]))
+    return table
 
 
 def main():

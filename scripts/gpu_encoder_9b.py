@@ -129,32 +129,25 @@ def hf_hidden(model, ids):
     return [h[0].double().cpu().numpy() for h in out.hidden_states]
 
 
+GROUPS = ("Memcpy", "gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax", "rope",
+          "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu", "gdn_gates",
+          "sigmoid_gate", "prep", "solve", "walk", "setup", "flash")
+
+
+def _group(name):
+    """A kernel's row in the profile: our kernels by family, the rest (cuBLAS) by name."""
+    return next((key for key in GROUPS if key in name), "cuBLAS " + name[:60])
+
+
 def profile(enc, ids, top=40):
-    """GPU time per kernel over 3 graph replays (CUPTI through torch.profiler): the top rows."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    """GPU time per kernel over 3 graph replays (CUPTI): the top rows, as text."""
+    from torch_timing import cuda_spans, kernel_table, table_lines
     enc(ids)
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
+
+    def three():
         for _ in range(3):
             enc(ids)
-        torch.cuda.synchronize()
-    rows = {}
-    for e in p.events():
-        if e.device_type.name != "CUDA":
-            continue
-        name = e.name
-        for key in ("gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax",
-                    "rope", "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu",
-                    "gdn_gates", "sigmoid_gate", "prep", "solve", "walk", "setup", "flash"):
-            if key in name:
-                name = key
-                break
-        else:
-            name = "cuBLAS " + name[:60]
-        total, count = rows.get(name, (0.0, 0))
-        rows[name] = (total + e.device_time_total / 3, count + 1)
-    lines = [f"{ms / 1e3:9.3f} ms  {count // 3:5d} launches  {name}" for name, (ms, count) in
-             sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]
-    return lines
+    return table_lines(kernel_table(cuda_spans(three), repeats=3, group=_group, top=top))
 
 
 def replay_ms(enc, ids):

@@ -17,36 +17,18 @@ import json
 import time
 
 import numpy as np
-import torch
 
 from numba import cuda
 
 from gpu_encoder_9b import CONFIG, make_weights
+from torch_timing import cuda_spans, kernel_table
 from moss_cli.ops.cuda_table import CudaEncoder, bucket, numba_stream
 
 
 def timeline(enc, ids, held):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        enc(ids, out=held)
-        torch.cuda.synchronize()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
-                   if e.device_type.name == "CUDA")
+    """The encode's kernels and copies in time order (CUPTI), and its own timings."""
+    spans = cuda_spans(lambda: enc(ids, out=held))
     return spans, dict(enc.timings)
-
-
-def summary(spans, top=25):
-    covered, gaps, reach, last = 0.0, [], spans[0][0], spans[0][2]
-    for start, end, name in spans:
-        if start > reach:
-            gaps.append((start - reach, last, name))
-        covered += max(0.0, end - max(start, reach))
-        if end > reach:
-            reach, last = end, name
-    gaps.sort(reverse=True)
-    return {"events": len(spans), "span_ms": (reach - spans[0][0]) / 1e3, "covered_ms": covered / 1e3,
-            "idle_ms": sum(g[0] for g in gaps) / 1e3, "gaps_over_2us": sum(g[0] > 2 for g in gaps),
-            "largest_gaps": [f"{g / 1e3:.4f} ms after {a[:70]} before {b[:70]}" for g, a, b in gaps[:top]]}
 
 
 def marked(enc, n, repeats=5):
@@ -105,7 +87,9 @@ def main():
         runs = []
         for _ in range(2):
             spans, timings = timeline(enc, ids, held)
-            runs.append(dict(summary(spans), timings=timings))
+            table = kernel_table(spans, top=0, gaps=25)
+            runs.append({"events": len(spans), "span_ms": table["span_ms"], "busy_ms": table["busy_ms"],
+                         "largest_gaps": table["idle_gaps_ms"], "timings": timings})
         try:
             runs.append({"marked": marked(enc, n)})
         except Exception as exc:      # a diagnosis: report, go on

@@ -1,4 +1,5 @@
-"""GPU time of a torch callable: the median of CUDA-event-timed calls after warm-up (the GPU scripts' baselines)."""
+"""GPU timing tools of the GPU scripts, through torch: the median of CUDA-event-timed calls (the baselines), and
+the kernels a callable queues as CUPTI sees them (torch.profiler), summed per name with the idle gaps."""
 
 import statistics
 
@@ -20,3 +21,39 @@ def median_ms(fn, reps, warm=2):
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def cuda_spans(run):
+    """(start us, end us, name) of every kernel and copy that run() puts on the GPU, under CUPTI, in time order."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type.name == "CUDA")
+
+
+def kernel_table(spans, repeats=1, group=None, top=40, gaps=6):
+    """What spans (from cuda_spans over `repeats` identical runs) say, per run: ms and launches per kernel name
+    (or per group(name)), largest first; the span from the first start to the last end, the time some kernel
+    ran (overlaps counted once), and the longest idle gaps with the kernels either side."""
+    totals = {}
+    for start, end, name in spans:
+        key = group(name) if group else name[:60]
+        ms, n = totals.get(key, (0.0, 0))
+        totals[key] = (ms + (end - start) / 1e3, n + 1)
+    covered, idle, reach, last = 0.0, [], spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > reach:
+            idle.append(((start - reach) / 1e3, last[:40], name[:40]))
+        covered += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, last = end, name
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"runs": repeats, "span_ms": (reach - spans[0][0]) / 1e3 / repeats, "busy_ms": covered / 1e3 / repeats,
+            "idle_gaps_ms": sorted(idle, reverse=True)[:gaps],
+            "kernels": {k: {"ms": ms / repeats, "launches": n / repeats} for k, (ms, n) in rows}}
+
+
+def table_lines(table):
+    """The table's kernel rows as text, one a line."""
+    return [f"{row['ms']:9.3f} ms  {row['launches']:7.1f} launches  {name}" for name, row in table["kernels"].items()]
