@@ -37,7 +37,7 @@ class RecordingPool(Pool):
     """The best-fit pool, also counting what a pool of exact sizes would hold for the same leases."""
 
     def __init__(self):
-        super().__init__(lambda n: None)
+        super().__init__(lambda n: np.empty(n, np.uint8))    # host blocks never touched: the kernels are skipped
         self.alive = Counter()       # leases alive now, by size
         self.peak = Counter()        # the most alive at once, by size: the exact-size pool's blocks
         self.asked = {}              # block order -> the size its lease asked for

@@ -106,3 +106,38 @@ def test_the_decoder_plan_at_real_sizes_shares_blocks_between_sizes():
     assert big["live_peak_GB"] <= big["best_fit_GB"] < big["exact_size_GB"]
     assert small["best_fit_GB"] < 1.01 * big["best_fit_GB"]
     assert small["exact_size_GB"] > 1.1 * big["exact_size_GB"]      # exact sizes: the 512 decode's own blocks
+
+
+LEASE_SCRIPT = r'''
+import gc
+import numpy as np
+from moss_cli.ops.cuda_table import CudaOps
+ops = CudaOps()
+a = ops.new((4, 1 << 18))                       # 4 MB: past SMALL, so any free block that holds it is lent
+view = a.reshape(1 << 20)[8:]                    # a view the op table might keep past `a`
+view[:] = 7.0
+del a
+gc.collect()
+b = ops.new((4, 1 << 18))
+b.reshape(1 << 20)[:] = 1.0
+held = float(view[0])                            # the view's block was not lent to b
+del view, b
+gc.collect()
+c = ops.new((4, 1 << 18))
+print(held, ops.pool.blocks, ops.pool.bytes >> 20)
+'''
+
+
+def test_in_the_simulator_a_block_comes_back_only_when_its_last_view_dies():
+    """The simulator lends real host blocks as the GPU path lends device ones: a view made from a lent array
+    keeps its block out of the pool (else an op's later output would overwrite what the view still reads)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", LEASE_SCRIPT], cwd=root, capture_output=True,
+                          text=True, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["7.0", "2", "8"]     # b took a second block; c reused one of the two

@@ -132,10 +132,8 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """An uninitialised device array from the pool."""
         shape = tuple(int(n) for n in shape)
         block = self.pool.take(int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        if SIMULATED:        # the simulator's arrays have no device address to lend: the pool only counts
-            out = cuda.device_array(shape, dtype)
-            weakref.finalize(out._ary, self.pool.give, block)     # its views hold this numpy array
-            return out
+        if SIMULATED:        # the block is host memory: lent as the device path lends it, views of the lease
+            return _simulated_lease(block, shape, dtype, self.pool)
         lease = DeviceView(block.base, shape, None, np.dtype(dtype).str)   # lent out: its death returns the block
         weakref.finalize(lease, self.pool.give, block)
         return cuda.as_cuda_array(lease, sync=False)
@@ -513,10 +511,28 @@ _POOL = []
 
 
 def shared_pool():
-    """The process's one device pool (made on first use)."""
+    """The process's one device pool (made on first use); in the simulator its blocks are host arrays."""
     if not _POOL:
-        _POOL.append(Pool((lambda n: None) if SIMULATED else (lambda n: cuda.device_array(n, np.uint8))))
+        _POOL.append(Pool((lambda n: np.empty(n, np.uint8)) if SIMULATED else (lambda n: cuda.device_array(n, np.uint8))))
     return _POOL[0]
+
+
+class _HostLease:
+    """The first nbytes of a simulated block, as an array interface: every numpy view made from it holds this
+    object (not the block), so its death, like a DeviceView's on the GPU, means no array uses the bytes."""
+
+    def __init__(self, base, nbytes):
+        self.base = base
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (base.ctypes.data, False),
+                                    "version": 3}
+
+
+def _simulated_lease(block, shape, dtype, pool):
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    lease = _HostLease(block.base, nbytes)
+    weakref.finalize(lease, pool.give, block)
+    return FakeCUDAArray(np.asarray(lease).view(dtype).reshape(shape))
 
 
 def numba_stream(stream):
