@@ -4,9 +4,10 @@
 
 Runs CudaDecoder (the small config: widths 96/192/384/384, as on the H200) in the numba CUDA simulator with
 every kernel launch and product skipped and the simulator's chunk constants set to the device's, so the ops
-ask the pool for exactly what they ask on the GPU, in the same order. It prints, after each decode in turn,
-the bytes the shared best-fit pool (moss_cli/ops/cuda_pool.py) has allocated and the bytes a pool lending
-only blocks of the exact size asked would have: the same requests and lifetimes, replayed. No GPU needed;
+ask the pool for exactly what they ask on the GPU, in the same order. It prints, after each size in turn,
+the bytes the shared pool (moss_cli/ops/cuda_pool.py) holds as the product leaves it (each size's eager pass
+recorded, its blocks planned, the capture's requests lent the planned blocks), with best fit alone, and with
+blocks only of the exact size asked: the same requests and lifetimes. No GPU needed;
 values are not computed (a few seconds).
 """
 
@@ -54,8 +55,10 @@ class RecordingPool(Pool):
         return block
 
     def give(self, block):
-        self.alive[self.asked[block.order]] -= 1
-        self.live -= self.asked[block.order]
+        n = self.asked.pop(block.order, None)      # None: a block the plan made, put free unlent
+        if n is not None:
+            self.alive[n] -= 1
+            self.live -= n
         super().give(block)
 
     @property
@@ -64,24 +67,39 @@ class RecordingPool(Pool):
 
 
 def plan(sizes):
+    """Per size in turn: the best-fit pool after one decode each, and the pool as the product leaves it (each
+    size's eager pass recorded and planned, then the capture's requests lent the planned blocks)."""
     from gpu_decoder import SMALL, random_tensors
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
     conv.COLUMN_BYTES, conv.GN_PARTS = DEVICE_COLUMN_BYTES, DEVICE_GN_PARTS
     sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
     conv.half_product = lambda a, w, d, stream=0: None
-    pool = RecordingPool()
-    cuda_table._POOL[:] = [pool]
-    dec = CudaDecoder(random_tensors(SMALL), SMALL, graphs=False)
+    tensors = random_tensors(SMALL)
+    pools = {"best_fit": RecordingPool(), "planned": RecordingPool()}
+    decoders = {}
+    for name, pool in pools.items():
+        cuda_table._POOL[:] = [pool]
+        decoders[name] = CudaDecoder(tensors, SMALL, graphs=False)
     rows = []
     for size in sizes:
         latents = np.zeros((1, 128, size // 16, size // 16), np.float32)
-        dec.decode(latents)
-        rows.append({"size": size, "best_fit_GB": pool.bytes / 1e9, "exact_size_GB": pool.exact_bytes / 1e9,
-                     "blocks": pool.blocks, "live_peak_GB": pool.live_peak / 1e9})
-        print(f"after the {size}x{size} decode: best fit {pool.bytes / 1e9:.2f} GB ({pool.blocks} blocks), "
-              f"exact sizes {pool.exact_bytes / 1e9:.2f} GB; at most {pool.live_peak / 1e9:.2f} GB lent at once",
-              flush=True)
+        for name, pool in pools.items():
+            cuda_table._POOL[:] = [pool]
+            if name == "planned":
+                pool.record()
+            decoders[name].decode(latents)
+            if name == "planned":
+                pool.script(pool.plan())
+                decoders[name].decode(latents)
+                pool.script(None)
+        best, planned = pools["best_fit"], pools["planned"]
+        rows.append({"size": size, "best_fit_GB": best.bytes / 1e9, "planned_GB": planned.bytes / 1e9,
+                     "planned_misses": planned.misses, "exact_size_GB": best.exact_bytes / 1e9,
+                     "live_peak_GB": best.live_peak / 1e9})
+        print(f"after the {size}x{size} decode: planned {planned.bytes / 1e9:.2f} GB ({planned.misses} takes off "
+              f"the plan), best fit alone {best.bytes / 1e9:.2f} GB, exact sizes {best.exact_bytes / 1e9:.2f} GB; "
+              f"at most {best.live_peak / 1e9:.2f} GB lent at once", flush=True)
     return rows
 
 

@@ -11,7 +11,7 @@ from numba import cuda
 from cuda_kernels.core import SIMULATED, from_bf16_bits
 
 from ..vae import Decoder, _config
-from .cuda_table import CudaOps, _is_bf16, capture, numba_stream
+from .cuda_table import CudaOps, _is_bf16, numba_stream, planned_capture
 
 
 class DecoderOps(CudaOps):
@@ -79,19 +79,17 @@ class CudaDecoder:
         return c.host_pixels.copy()
 
     def _capture(self, shape):
-        """An eager pass first (compiles the kernels, splits the weights, plans the products, fills the pool),
-        then the capture: its first node copies the pinned latents in."""
+        """An eager pass first (compiles the kernels, splits the weights, plans the products and the pool's
+        blocks), then the capture: its first node copies the pinned latents in."""
         device = cuda.device_array(shape, np.float32)
         device.copy_to_device(np.zeros(shape, np.float32))
-        self._run(device)
-        cuda.synchronize()
         host = cuda.pinned_array(shape, np.float32)
 
         def run():
             device.copy_to_device(host, stream=numba_stream(self.ops.stream))
             return self._run(device)
 
-        graph, stream, pixels = capture(self.ops, run)
+        graph, stream, pixels = planned_capture(self.ops, lambda: self._run(device), run)
         self._captured[shape[1:]] = _Graph(graph, stream, device, host, pixels)
 
 

@@ -18,7 +18,7 @@ from cuda_kernels import dit
 
 from ..schedule import timesteps
 from ..transformer import MossTransformer, Text, check_layers, time_sinusoid
-from .cuda_table import CudaOps, capture, numba_stream
+from .cuda_table import CudaOps, numba_stream, planned_capture
 
 
 class CudaDenoiser:
@@ -69,10 +69,9 @@ class CudaDenoiser:
         if key not in self._graphs:
             scratch = cuda.device_array_like(x)
             scratch.copy_to_device(x)
-            self._step(size, scratch, step, cond, uncond, skip, cfg, velocity)   # compiles, plans, fills the pool
-            cuda.synchronize()
-            graph, stream, _ = capture(self.ops,
-                                       lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
+            graph, stream, _ = planned_capture(        # the eager step compiles, plans the products and the blocks
+                self.ops, lambda: self._step(size, scratch, step, cond, uncond, skip, cfg, velocity),
+                lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
             if self._stream is None:
                 self._stream = stream        # every graph replays on this one stream, in step order
             self._graphs[key] = (graph, self.ops.kept)

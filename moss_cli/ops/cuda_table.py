@@ -621,11 +621,13 @@ class CudaEncoder:
 
     def _capture(self, size):
         dummy = np.zeros(size, dtype=np.int64)
-        self.model(dummy)                      # compiles the kernels, plans cuBLAS, fills the pool
         ids = cuda.pinned_array(size, np.int32)
-        self.ops.ids_host = ids                # the ids' upload becomes the graph's first node
+
+        def run():
+            self.ops.ids_host = ids            # the ids' upload becomes the graph's first node
+            return self.model(dummy)
         try:
-            graph, stream, out = capture(self.ops, lambda: self.model(dummy))
+            graph, stream, out = planned_capture(self.ops, lambda: self.model(dummy), run)
         finally:
             self.ops.ids_host = None
         self._captured[size] = _Bucket(graph, stream, out, ids)
@@ -641,6 +643,25 @@ class _Bucket:
         self.graph, self.stream, self.rows_buffer, self.ids = graph, stream, rows_buffer, ids
         self.queue = numba_stream(stream)
         self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
+
+
+def planned_capture(ops, eager, run):
+    """capture(ops, run) after eager(), the same ops run once eagerly (compiling the kernels, planning the
+    products): the pool records the eager pass's requests, lets go of the blocks it made, and lends the
+    capture's requests the blocks it planned for them (cuda_pool)."""
+    pool = ops.pool
+    pool.record()
+    try:
+        eager()
+        cuda.synchronize()
+    finally:
+        planned = pool.plan()
+    cuda.current_context().deallocations.clear()     # the blocks let go, freed now rather than at numba's leisure
+    pool.script(planned)
+    try:
+        return capture(ops, run)
+    finally:
+        pool.script(None)
 
 
 def capture(ops, run):
