@@ -53,7 +53,9 @@ def test_an_interrupted_run_keeps_the_finished_stage_files(tmp_path):
     picture = tmp_path / "p.png"
     p = subprocess.Popen([str(BIN / "moss-image"), "--prompt", "a red fox", "--seed", "1", "--width", "64",
                           "--height", "64", "--steps", "100000", "--picture", str(picture), "--keep", str(keep)],
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                         # a suite started in the background (bash `&`) ignores SIGINT, and children inherit that
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in p.stderr:            # interrupt once denoising has begun, i.e. encoding is over
             if "step 1/" in line:
