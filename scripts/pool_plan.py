@@ -1,14 +1,19 @@
-"""The device memory the decoder's pool holds at real sizes, worked out on the CPU from the op sequence.
+"""The device memory the shared pool holds at real sizes, worked out on the CPU from the op sequence.
 
     python scripts/pool_plan.py [--sizes 1024 512] [--out FILE]
 
-Runs CudaDecoder (the small config: widths 96/192/384/384, as on the H200) in the numba CUDA simulator with
-every kernel launch and product skipped and the simulator's chunk constants set to the device's, so the ops
-ask the pool for exactly what they ask on the GPU, in the same order. It prints, after each size in turn,
-the bytes the shared pool (moss_cli/ops/cuda_pool.py) holds as the product leaves it (each size's eager pass
-recorded, its blocks planned, the capture's requests lent the planned blocks), with best fit alone, and with
-blocks only of the exact size asked: the same requests and lifetimes. No GPU needed;
-values are not computed (a few seconds).
+Runs the GPU op table in the numba CUDA simulator with every kernel launch and product skipped, the weights
+shapes without values, and the simulator's chunk constants set to the device's, so the ops ask the pool
+(moss_cli/ops/cuda_pool.py) for exactly what they ask on the GPU, in the same order.
+
+* The decoder (the small config, widths 96/192/384/384): after each size in turn, the pool as the product
+  leaves it (each size's eager pass recorded, its blocks planned, the capture's requests lent the planned
+  blocks), with best fit alone, and with blocks only of the exact size asked, beside the most lent at once.
+* The whole picture as `moss-image --device cuda` runs it from the real-size folder's configs (the 9B
+  encoder, the 42-block DiT, the decoder; a short prompt and the empty negative, 50 steps, guidance 3, block
+  22 skipped): the planned pool after each stage, for each size in turn.
+
+No GPU needed; values are not computed (seconds).
 """
 
 import argparse
@@ -72,9 +77,7 @@ def plan(sizes):
     from gpu_decoder import SMALL, random_tensors
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
-    conv.COLUMN_BYTES, conv.GN_PARTS = DEVICE_COLUMN_BYTES, DEVICE_GN_PARTS
-    sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
-    conv.half_product = lambda a, w, d, stream=0: None
+    _skip_work()
     tensors = random_tensors(SMALL)
     pools = {"best_fit": RecordingPool(), "planned": RecordingPool()}
     decoders = {}
@@ -103,14 +106,109 @@ def plan(sizes):
     return rows
 
 
+def _shapes_only():
+    """Weights as shapes: the op table's uploads become zero-strided host arrays of the shape it would make."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    from moss_cli.ops.cuda_table import CudaOps, Stacked
+
+    def fake(shape, dtype):
+        return FakeCUDAArray(np.broadcast_to(np.zeros((), dtype), tuple(shape)))
+
+    def param(self, tensors, name):
+        shape = tensors[name].shape
+        return self._params.setdefault((id(tensors), name), fake(shape, np.uint16 if len(shape) == 2 else np.float32))
+
+    def params(self, tensors, names):
+        sizes = [tensors[n].shape[0] for n in names]
+        key = (id(tensors), tuple(names))
+        return self._params.setdefault(key, Stacked(fake((sum(sizes), tensors[names[0]].shape[1]), np.uint16), sizes))
+
+    CudaOps.param, CudaOps.params = param, params
+    CudaOps._table = lambda self, table: fake(table.shape, np.uint16)
+
+
+def _skip_work():
+    """Every kernel launch, product and attention call a no-op; the device's chunk constants."""
+    from cuda_kernels import core, sdpa
+    conv.COLUMN_BYTES, conv.GN_PARTS = DEVICE_COLUMN_BYTES, DEVICE_GN_PARTS
+    core.TEAM_MAX, core.TEAM_PER_MAX = core.BLOCK, 256      # the DiT's rows of 3072 fit a simulated team
+    sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
+    conv.half_product = lambda a, w, d, stream=0: None
+
+    class NoBlas:
+        def linear(self, *args, **kwargs):
+            pass
+    cuda_table.blas = lambda: NoBlas()
+    sdpa.supports = lambda *args: True          # the device's attention: cuDNN, its workspace outside the pool
+    sdpa.attention = lambda *args, **kwargs: None
+
+
+def picture(sizes, steps=50):
+    """The planned pool after each stage of `moss-image --device cuda` at each size in turn (GB)."""
+    from make_real_checkpoint import configs
+    from moss_cli.checkpoint import expected_tensors
+    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.ops.cuda_denoiser import CudaDenoiser
+    from moss_cli.schedule import sigmas
+    from moss_cli.stages import DEFAULT_SKIP_LAYERS, DEFAULT_SKIP_START, DEFAULT_SKIP_STOP
+
+    _skip_work()
+    _shapes_only()
+    pool = RecordingPool()
+    cuda_table._POOL[:] = [pool]
+    cfg = configs(1)
+    tensors = {name: {k: np.broadcast_to(np.zeros((), np.float32), shape) for k, shape in
+                      expected_tensors(name, cfg[name]).items()} for name in cfg}
+
+    def planned(eager):
+        """What planned_capture does around a capture, the capture's ops run eagerly."""
+        pool.record()
+        eager()
+        pool.script(pool.plan())
+        eager()
+        pool.script(None)
+
+    rows = []
+
+    def mark(stage):
+        rows.append({"stage": stage, "pool_GB": pool.bytes / 1e9, "live_peak_GB": pool.live_peak / 1e9})
+        print(f"{stage:40s} pool {pool.bytes / 1e9:6.2f} GB  (at most {pool.live_peak / 1e9:.2f} GB lent at once "
+              f"so far)", flush=True)
+
+    enc = cuda_table.CudaEncoder(tensors["text_encoder"], cfg["text_encoder"])
+    enc.upload()
+    for role, n in (("prompt", 24), ("negative", 12)):      # a short prompt and "" in the chat template
+        planned(lambda: enc.model(np.zeros(cuda_table.bucket(n), np.int64)))
+        mark(f"encoded the {role} ({cuda_table.bucket(n)} tokens)")
+    dit = CudaDenoiser(tensors["transformer"], cfg["transformer"])
+    dit.upload()
+    dec = CudaDecoder(tensors["vae"], cfg["vae"], graphs=False)
+    text = dit.config["text_dim"]
+    cond = dit._slot("cond", dit.prepare_text(np.zeros((24, text), np.float32)))
+    uncond = dit._slot("uncond", dit.prepare_text(np.zeros((12, text), np.float32)))
+    kinds = {frozenset(DEFAULT_SKIP_LAYERS) if DEFAULT_SKIP_START <= i / steps < DEFAULT_SKIP_STOP else frozenset()
+             for i in range(len(sigmas(steps)) - 1)}
+    for size in sizes:
+        h = size // 16
+        x, step, velocity = dit._buffers(dit.config["latent_channels"], h, h)
+        for kind in sorted(kinds, key=len):
+            planned(lambda: dit._step((h, h), x, step, cond, uncond, kind, True, velocity))
+        mark(f"{size}x{size}: the DiT's step graphs ({len(kinds)})")
+        latents = cuda_table.cuda.to_device(np.zeros((dit.config["latent_channels"], h, h), np.float32))
+        planned(lambda: dec._run(latents))
+        mark(f"{size}x{size}: the decoder's graph")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 512])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     rows = plan(args.sizes)
+    whole = picture(args.sizes)
     if args.out:
-        args.out.write_text(json.dumps({"decoder": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"decoder": rows, "picture": whole}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_an_empty_request_still_gets_a_block(nbytes):
     assert made == [1]
 
 
-def test_the_decoder_plan_at_real_sizes_shares_blocks_between_sizes():
+def test_the_pool_plan_at_real_sizes_shares_blocks_between_sizes_and_components():
     """scripts/pool_plan.py: the real small decoder's requests (kernels skipped, in the simulator) at 1024x1024
     and then 512x512. The planned pool holds less than best fit alone, which holds less than an exact-size pool
     would; all hold at least what is lent at once; the smaller decode adds almost nothing."""
@@ -101,12 +101,17 @@ def test_the_decoder_plan_at_real_sizes_shares_blocks_between_sizes():
                               env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        big, small = json.loads(out.read_text())["decoder"]
+        plan = json.loads(out.read_text())
+        big, small = plan["decoder"]
+        whole = {row["stage"]: row["pool_GB"] for row in plan["picture"]}
     assert (big["size"], small["size"]) == (1024, 512)
     assert big["live_peak_GB"] <= big["planned_GB"] < big["best_fit_GB"] < big["exact_size_GB"]
     assert small["planned_misses"] == 0
     assert small["planned_GB"] < 1.01 * big["planned_GB"] and small["best_fit_GB"] < 1.01 * big["best_fit_GB"]
     assert small["exact_size_GB"] > 1.1 * big["exact_size_GB"]      # exact sizes: the 512 decode's own blocks
+    # the whole picture's pool: the DiT's and the decoder's graphs share blocks; the 512 graphs add ~nothing
+    assert whole["1024x1024: the decoder's graph"] < big["planned_GB"] + whole["1024x1024: the DiT's step graphs (2)"]
+    assert whole["512x512: the decoder's graph"] < 1.01 * whole["1024x1024: the decoder's graph"]
 
 
 LEASE_SCRIPT = r'''
