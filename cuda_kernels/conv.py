@@ -21,8 +21,10 @@ TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
 TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / im2col block
-GN_PARTS = 2 if SIMULATED else 64   # blocks per group in the group norm's sums
-COLUMN_BYTES = 4 << 20 if SIMULATED else 384 << 20   # the im2col buffer of one chunk of pixel rows
+DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
+GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
+DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
+COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
 
 def _blocks(n):

@@ -35,8 +35,6 @@ from cuda_kernels import conv  # noqa: E402
 from moss_cli.ops import cuda_table  # noqa: E402
 from moss_cli.ops.cuda_pool import Pool  # noqa: E402
 
-DEVICE_COLUMN_BYTES = 384 << 20     # conv.py's values off the simulator
-DEVICE_GN_PARTS = 64
 
 
 class RecordingPool(Pool):
@@ -130,7 +128,7 @@ def _shapes_only():
 def _skip_work():
     """Every kernel launch, product and attention call a no-op; the device's chunk constants."""
     from cuda_kernels import core, sdpa
-    conv.COLUMN_BYTES, conv.GN_PARTS = DEVICE_COLUMN_BYTES, DEVICE_GN_PARTS
+    conv.COLUMN_BYTES, conv.GN_PARTS = conv.DEVICE_COLUMN_BYTES, conv.DEVICE_GN_PARTS
     core.TEAM_MAX, core.TEAM_PER_MAX = core.BLOCK, 256      # the DiT's rows of 3072 fit a simulated team
     sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
     conv.half_product = lambda a, w, d, stream=0: None
