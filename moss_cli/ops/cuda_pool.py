@@ -15,9 +15,8 @@ A graph's blocks are planned (`record`, `plan`, `script`): the eager pass before
 capture will ask, in the same order, so its requests and lifetimes are recorded, the blocks it made are let
 go, and the capture is lent blocks packed by size (largest first, each into the smallest block free over
 its whole life, blocks made before first). Best fit alone strands the small blocks an image's first stages
-made when its later stages need larger ones (the decoder at 1024x1024: 3.96 GB against 2.80 planned, with
-2.23 GB lent at most at once; scripts/pool_plan.py). A block a captured graph used is never freed: the
-graph keeps its address.
+made when its later stages need larger ones (scripts/pool_plan.py works both out at the real sizes;
+BENCHMARKS.md quotes them). A block a captured graph used is never freed: the graph keeps its address.
 """
 
 import bisect
@@ -110,7 +109,7 @@ class Pool:
         go; the largest take is placed first, each into the smallest free block that no take placed there
         overlaps in time, else into a new block of its size (so a block's size is that of its largest take).
         Returns the planned block of each take, in take order."""
-        trace, self._trace = self._trace, None
+        trace, self._trace = self._trace or [], None
         for nbytes, order, block in list(self._free):
             if order >= self._recorded_from:
                 self._unfree(block)
