@@ -139,6 +139,10 @@ class ConvCudaOps:
         out = self._product(a, peak, weight, peak_w, b)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
+    def _drop_kv_split(self, cached):
+        if getattr(self, "_kv_split", None) is cached:
+            self._kv_split = None
+
     def split_attention(self, q, k, v, scale):
         """softmax(scale q k^T) v for one head, q [L, 1, d], k, v [S, 1, d] contiguous, as split products; k's
         and v^T's splits are kept for the next call on the same k and v (queries come in row blocks)."""
@@ -148,6 +152,7 @@ class ConvCudaOps:
             ks = self._split(k, weight=True)
             vs = self._split(self.transpose(v.reshape(s, d), (1, 0)), weight=True)
             cached = self._kv_split = (weakref.ref(k), weakref.ref(v), ks, vs)
+            weakref.finalize(k, self._drop_kv_split, cached)    # the splits go back to the pool with k
         (ks, peak_k), (vs, peak_v) = cached[2], cached[3]
         qs, peak_q = self._split(q)
         scores = self._product(qs, peak_q, ks, peak_k)
