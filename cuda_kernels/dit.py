@@ -184,13 +184,20 @@ def norm_modulate_bound(x, w, shift, scale, d):
 
 
 # --- per-head q/k RMSNorm + RoPE ------------------------------------------------------------
+# Bf16 values a thread reads and writes as one word: 2 (4-byte words) or 4 (8-byte words: half the threads a
+# head, twice the bytes in flight each). The 4-byte form is the one measured on the H200 (6.0 ms of a 1024
+# step, 2.6x its memory time); gpu_dit.py times the 8-byte form beside it.
+QK_WIDTH = 2
+
+
 @functools.cache
-def _qk_norm_rope(control, team, per):
-    """One team per (token, head), the head's d elements in registers as per 4-byte words of 2 bf16 each
-    (team x per x 2 = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the rotate-half
-    pairs). Heads from `split` on take the second weight and go to the second output (q and k in one launch,
-    each into its own contiguous array). Control: rotates the other way."""
-    half, size = per // 2, 2 * per
+def _qk_norm_rope(control, team, per, width=2):
+    """One team per (token, head), the head's d elements in registers as per words of `width` bf16 each
+    (team x per x width = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the
+    rotate-half pairs). Heads from `split` on take the second weight and go to the second output (q and k in
+    one launch, each into its own contiguous array). Control: rotates the other way."""
+    half, size = per // 2, width * per
+    word = uint32 if width == 2 else uint64
 
     @jit
     def qk_norm_rope(x, w, w2, split, cos, sin, out, out2, eps):
@@ -205,11 +212,12 @@ def _qk_norm_rope(control, team, per):
         t, h = uint64(row // heads), uint64(row % heads)
         acc = float32(0.0)
         for j in range(per):
-            word = x[t, h, uint64(lane + j * team)]
-            vals[2 * j] = widen(uint16(word & uint32(0xFFFF)))
-            vals[2 * j + 1] = widen(uint16(word >> uint32(16)))
-            acc += vals[2 * j] * vals[2 * j] + vals[2 * j + 1] * vals[2 * j + 1]
-        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(2 * words) + eps)
+            bits = x[t, h, uint64(lane + j * team)]
+            for e in range(width):
+                v = widen(uint16((bits >> word(16 * e)) & word(0xFFFF)))
+                vals[width * j + e] = v
+                acc += v * v
+        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(width * words) + eps)
         if not live:
             return
         second = h >= uint64(split)
@@ -217,65 +225,69 @@ def _qk_norm_rope(control, team, per):
         dst = out2 if second else out
         ho = h - uint64(split) if second else h
         for j in range(half):
-            wa, wb = lane + j * team, lane + (j + half) * team       # word indices, d / 4 apart
-            lo_a, lo_b = uint32(0), uint32(0)
-            for e in range(2):
-                ia, ib = uint64(2 * wa + e), uint64(2 * wb + e)
-                a = (vals[2 * j + e] * inv) * wt[ia]
-                b = (vals[2 * (j + half) + e] * inv) * wt[ib]
+            wa, wb = lane + j * team, lane + (j + half) * team       # word indices, d / 2 elements apart
+            lo_a, lo_b = word(0), word(0)
+            for e in range(width):
+                ia, ib = uint64(width * wa + e), uint64(width * wb + e)
+                a = (vals[width * j + e] * inv) * wt[ia]
+                b = (vals[width * (j + half) + e] * inv) * wt[ib]
                 c, sn = cos[t, ia], sin[t, ia]
                 if control:
                     sn = -sn
-                lo_a |= uint32(narrow(a * c - b * sn)) << uint32(16 * e)
-                lo_b |= uint32(narrow(b * c + a * sn)) << uint32(16 * e)
+                lo_a |= word(narrow(a * c - b * sn)) << word(16 * e)
+                lo_b |= word(narrow(b * c + a * sn)) << word(16 * e)
             dst[t, ho, uint64(wa)] = lo_a
             dst[t, ho, uint64(wb)] = lo_b
     return qk_norm_rope
 
 
-def _qk_geometry(d):
-    """(team, per): a power-of-two team of at most a warp, an even number of 2-element words each."""
+def _qk_geometry(d, width=2):
+    """(team, per): a power-of-two team of at most a warp, an even number of `width`-element words each."""
     team = 8 if SIMULATED else 32
-    while team > 1 and (d % (2 * team) or (d // (2 * team)) % 2):
+    while team > 1 and (d % (width * team) or (d // (width * team)) % 2):
         team //= 2
-    return team, d // (2 * team)
+    return team, d // (width * team)
 
 
-def qk_norm_rope_fits(d, r):
-    team, per = _qk_geometry(d)
-    return 2 * team * per == d and per % 2 == 0 and 2 * r == d
+def qk_norm_rope_fits(d, r, width=2):
+    team, per = _qk_geometry(d, width)
+    return width * team * per == d and per % 2 == 0 and 2 * r == d
 
 
-def _words3(a):
-    """[L, H, d] bf16 bits of unit element stride as 4-byte words [L, H, d / 2] (no copy), else None."""
+def _words3(a, width=2):
+    """[L, H, d] bf16 bits of unit element stride as words of `width` bf16 [L, H, d / width] (no copy), else None."""
+    item = 2 * width
     if SIMULATED:
         host = a._ary
-        if host.strides[2] != 2 or host.shape[2] % 2 or any(st % 4 for st in host.strides[:2]):
+        if host.strides[2] != 2 or host.shape[2] % width or any(st % item for st in host.strides[:2]):
             return None
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(host.view(np.uint32))
+        return FakeCUDAArray(host.view(np.uint32 if width == 2 else np.uint64))
     face = a.__cuda_array_interface__
     shape = face["shape"]
     strides = face["strides"] or (shape[1] * shape[2] * 2, shape[2] * 2, 2)
-    if strides[2] != 2 or shape[2] % 2 or face["data"][0] % 4 or strides[0] % 4 or strides[1] % 4:
+    if strides[2] != 2 or shape[2] % width or face["data"][0] % item or strides[0] % item or strides[1] % item:
         return None
-    return cuda.as_cuda_array(DeviceView(a, (shape[0], shape[1], shape[2] // 2), (strides[0], strides[1], 4), "<u4"))
+    return cuda.as_cuda_array(DeviceView(a, (shape[0], shape[1], shape[2] // width), (strides[0], strides[1], item),
+                                         f"<u{item}"))
 
 
-def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, out2=None, stream=0, control=False):
+def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, out2=None, stream=0, control=False, width=None):
     """out [L, H, d] bf16 bits = rope(rms_norm(x) w) for bf16-bit heads x [L, H, d] (any token and head
     strides, unit element stride: a column block of the fused qkv product); with w2 and out2, x holds the
     q heads then as many k heads ([L, 2H, d]: one launch), the k heads normed with w2 into out2.
-    cos, sin [L, d / 2] float32; rotate-half over the whole head."""
+    cos, sin [L, d / 2] float32; rotate-half over the whole head. width: bf16 values a word (QK_WIDTH)."""
+    width = width or QK_WIDTH
     tokens, heads, d = x.shape
     split = heads if out2 is None else heads // 2
-    words = _words3(x), _words3(out), _words3(out if out2 is None else out2)
-    if not qk_norm_rope_fits(d, cos.shape[1]) or any(wd is None for wd in words):
-        raise ValueError(f"qk_norm_rope: heads {tuple(x.shape)} with {cos.shape[1]} rotary pairs do not fit")
-    team, per = _qk_geometry(d)
+    words = _words3(x, width), _words3(out, width), _words3(out if out2 is None else out2, width)
+    if not qk_norm_rope_fits(d, cos.shape[1], width) or any(wd is None for wd in words):
+        raise ValueError(f"qk_norm_rope: heads {tuple(x.shape)} with {cos.shape[1]} rotary pairs do not fit "
+                         f"{width}-element words")
+    team, per = _qk_geometry(d, width)
     grid = -(-(tokens * heads) // (BLOCK // team))
-    _qk_norm_rope(control, team, per)[grid, BLOCK, stream](words[0], w, w if w2 is None else w2, split, cos, sin,
-                                                           words[1], words[2], np.float32(eps))
+    _qk_norm_rope(control, team, per, width)[grid, BLOCK, stream](words[0], w, w if w2 is None else w2, split, cos,
+                                                                  sin, words[1], words[2], np.float32(eps))
 
 
 def qk_norm_rope_reference(x, w, cos, sin, eps):
@@ -519,14 +531,14 @@ def _make_qk(rng, size):
             "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32), "eps": 1e-6}
 
 
-def _run_qk(inp, control):
+def _run_qk(inp, control, width=2):
     """The q and k heads as the fused qkv product leaves them: the first 2H heads of a [L, 3H, d] matrix."""
     wide = cuda.to_device(inp["wide"])
     heads = inp["heads"]
     x = wide[:, :2 * heads, :]
     out, out2 = (cuda.device_array((x.shape[0], heads, x.shape[2]), np.uint16) for _ in range(2))
     w, w2, cos, sin = (cuda.to_device(inp[k]) for k in ("w", "w2", "cos", "sin"))
-    qk_norm_rope(x, w, cos, sin, out, inp["eps"], w2=w2, out2=out2, control=control)
+    qk_norm_rope(x, w, cos, sin, out, inp["eps"], w2=w2, out2=out2, control=control, width=width)
     return from_bf16_bits(np.concatenate([out.copy_to_host(), out2.copy_to_host()], axis=1))
 
 
@@ -628,6 +640,8 @@ CASES = [
          lambda i: _ref_norm_modulate(i, True, 31 if i["x"].shape[1] == 32 else 3071),
          notes="the element form (odd rows); control: the residual added without its gate"),
     Case("qk_norm_rope", _make_qk, _run_qk, _ref_qk, notes="q/k heads of the fused qkv product; control: sin negated"),
+    Case("qk_norm_rope_words8", _make_qk, lambda i, c: _run_qk(i, c, 4), _ref_qk,
+         notes="the same on 8-byte words (4 bf16); control: sin negated"),
     Case("widen_heads", _make_qk, _run_widen, _ref_widen, notes="exact; control: each head read reversed"),
     Case("situ", _make_situ, _run_situ, _ref_situ, notes="control: the gate's sigmoid factor left out"),
     Case("patchify", _make_latents, _run_patchify, _ref_patchify, notes="control: the transpose forgotten"),

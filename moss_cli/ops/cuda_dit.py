@@ -14,6 +14,7 @@ from cuda_kernels.core import SIMULATED, DeviceView
 
 class DitCudaOps:
     use_cudnn = True           # attention on bf16 heads through cuDNN where it loads (else flash)
+    qk_width = None            # bf16 values a word in the q/k norm + RoPE kernel (None: dit.QK_WIDTH)
 
     def situ(self, hidden, gate):
         """SiTU-GLU of bf16 halves (any strides) -> bf16 bits [L, F], the down product's operand."""
@@ -39,7 +40,7 @@ class DitCudaOps:
 
     def _bf16_norm_rope(self, x, w, cos, sin, eps):
         out = self.new(x.shape, np.uint16)
-        dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream)
+        dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream, width=self.qk_width)
         return out
 
     def qk_norm_rope(self, q, k, wq, wk, cos, sin, eps):
@@ -56,7 +57,7 @@ class DitCudaOps:
             return self.rms_norm_rope(q, wq, cos, sin, eps), self.rms_norm_rope(k, wk, cos, sin, eps)
         both = cuda.as_cuda_array(DeviceView(q, (L, 2 * H, d), q.strides), sync=False)
         q_out, k_out = self.new(q.shape, np.uint16), self.new(k.shape, np.uint16)
-        dit.qk_norm_rope(both, wq, cos, sin, q_out, eps, w2=wk, out2=k_out, stream=self.stream)
+        dit.qk_norm_rope(both, wq, cos, sin, q_out, eps, w2=wk, out2=k_out, stream=self.stream, width=self.qk_width)
         return q_out, k_out
 
     def bf16_attention(self, q, k, v, scale):
