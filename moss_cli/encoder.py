@@ -110,6 +110,17 @@ def rope_tables(length: int, config: dict):
     return np.cos(angles), np.sin(angles)
 
 
+def check_ids(ids, vocab_size):
+    """ids as a flat array, refused when empty or outside the vocabulary (a tokenizer of another model)."""
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("no tokens to encode")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise CheckpointError(f"token id {int(ids.max())} is outside the text encoder's vocabulary "
+                              f"(vocab_size {vocab_size}): tokenizer and encoder do not match")
+    return ids
+
+
 class Qwen35Encoder:
     """ids -> last_hidden_state [L, hidden] in the ops dtype; `form` picks the GDN delta-rule form."""
 
@@ -127,12 +138,7 @@ class Qwen35Encoder:
 
     def __call__(self, ids, on_layer=None):
         ops, c = self.ops, self.config
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size == 0:
-            raise ValueError("no tokens to encode")
-        if ids.min() < 0 or ids.max() >= c["vocab_size"]:
-            raise CheckpointError(f"token id {int(ids.max())} is outside the text encoder's vocabulary "
-                                  f"(vocab_size {c['vocab_size']}): tokenizer and encoder do not match")
+        ids = check_ids(ids, c["vocab_size"])
         cos, sin = rope_tables(len(ids), c)
         cos, sin = ops.array(cos), ops.array(sin)
         # gather rows from the stored table: converting the whole [vocab, hidden] table would cost gigabytes

@@ -222,7 +222,7 @@ def main():
             enc(ids, out=kept)
             reused.append(enc.timings["total_s"])
         pinned, pinned_gpu, pinned_copy, held = [], [], [], enc.host_rows(len(ids))
-        host_steps = {"ids_s": [], "queue_s": [], "wait_s": []}
+        host_steps = {"rows_s": [], "queue_s": [], "wait_s": []}
         for _ in range(10):             # into a pinned array the caller keeps: the copy is one DMA
             enc(ids, out=held)
             pinned.append(enc.timings["total_s"])

@@ -22,11 +22,11 @@ import weakref
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
+from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
 from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
-from ..encoder import Qwen35Encoder, text_config
+from ..encoder import Qwen35Encoder, check_ids, text_config
 from .cuda_conv import ConvCudaOps
 from .cuda_dit import DitCudaOps
 from .cuda_gdn import GdnCudaOps
@@ -96,9 +96,9 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         self._params = {}
         self.pool = shared_pool()
         self.kept = []          # host uploads made while capturing: the graph reads them later
-        self.ids = None         # the last token-id buffer embedding() made: held until the next one, so it
+        self.gathered = None    # the last device buffer embedding() read: held until the next one, so it
                                 # outlives the kernels queued on it
-        self.ids_host = None    # a pinned ids array whose copy a capture puts in the graph (embedding)
+        self.rows_host = None   # pinned bf16 rows [n, D] whose copy a capture puts in the graph (embedding)
         self.chunk_from = CHUNK_FROM
         self.delta_walk = None
         self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
@@ -199,17 +199,6 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         out = self._params[key] = Stacked(weight, sizes)
         return out
 
-    def _table(self, table):
-        """A stored 2-D table uploaded once (bf16 bits), cached by the identity of the host array."""
-        key = ("table", id(table))
-        out = self._params.get(key)
-        if out is None:
-            host = np.asarray(table)
-            bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
-            from .cuda_upload import uploader
-            out = self._params[key] = (uploader().to_device(bits, wait=self.capturing), table)
-        return out[0]
-
     def array(self, x):
         # a fresh copy: its strides are canonical (a view's size-1 axes may carry stride 0, which numba's
         # reshape of the device array then refuses)
@@ -302,22 +291,28 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         return out
 
     def embedding(self, table, ids):
-        """Rows of a bf16 table (a stored tensor or a param); ids are host ints, copied to a device buffer
-        the graph keeps reading. While capturing with `ids_host` set (a pinned int32 array of the ids'
-        length), the copy from it is part of the graph: each replay reads the ids put there before it."""
-        if isinstance(table, np.ndarray) or not hasattr(table, "shape"):
-            table = self._table(table)
+        """float32 rows [n, D] of a bf16 table for host ints ids. A stored (host) table stays on the host: the
+        rows are gathered there and copied over (the 9B's table is 2 GB the GPU need not hold). While
+        capturing with `rows_host` set (a pinned uint16 array [n, D]), that copy is a node of the graph: each
+        replay reads the rows put there before it (CudaEncoder). A device table (a param) is gathered on
+        the device."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-        if self.capturing and self.ids_host is not None:
-            if self.ids_host.shape != ids.shape:
-                raise ValueError(f"ids_host holds {self.ids_host.size} ids, the prompt has {ids.size}")
-            self.ids = cuda.device_array(ids.shape, np.int32)
-            self.kept.append(self.ids)
-            self.ids.copy_to_device(self.ids_host, stream=self._numba_stream())
+        if hasattr(table, "__cuda_array_interface__"):
+            self.gathered = self._upload(ids)
+            out = self.new((ids.size, table.shape[1]))
+            emb.embedding(table, self.gathered, out, stream=self.stream)
+            return out
+        if self.capturing and self.rows_host is not None:
+            if self.rows_host.shape[0] != ids.size:
+                raise ValueError(f"rows_host holds {self.rows_host.shape[0]} rows, the prompt has {ids.size}")
+            self.gathered = cuda.device_array(self.rows_host.shape, np.uint16)
+            self.kept.append(self.gathered)
+            self.gathered.copy_to_device(self.rows_host, stream=self._numba_stream())
         else:
-            self.ids = self._upload(ids)
-        out = self.new((self.ids.size, table.shape[1]))
-        emb.embedding(table, self.ids, out, stream=self.stream)
+            self.gathered = self._upload(table_rows(table, ids))
+        n, d = self.gathered.shape
+        out = self.new((n, d))
+        dit.widen_heads(self.gathered.reshape(n, 1, d), out.reshape(n, 1, d), stream=self.stream)
         return out
 
     # --- elementwise --------------------------------------------------------------------------
@@ -507,6 +502,19 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         return out
 
 
+def table_rows(table, ids, out=None):
+    """bf16 bits (uint16 [n, D]) of a host table's rows for ids (rounded to bf16 where the table is wider),
+    into `out` when given."""
+    host = np.asarray(table)
+    if _is_bf16(host.dtype):
+        return np.take(host.view(np.uint16), ids, axis=0, out=out)
+    rows = to_bf16_bits(host[ids])
+    if out is None:
+        return rows
+    out[...] = rows
+    return out
+
+
 _POOL = []
 
 
@@ -586,7 +594,7 @@ class CudaEncoder:
         graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
         time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA;
         BENCHMARKS.md)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = check_ids(ids, self.config["vocab_size"]).astype(np.int64)
         if not self.graphs or on_layer is not None:
             return self.model(ids, on_layer=on_layer)
         n = ids.size
@@ -600,8 +608,9 @@ class CudaEncoder:
             self._capture(size)
         c = self._captured[size]
         start = time.perf_counter()
-        c.ids[:n] = ids                         # the graph's first node copies them to the device
-        c.ids[n:] = self.pad_id
+        table = self.tensors["embed_tokens.weight"]      # the prompt's rows: the graph's first node copies them
+        table_rows(table, ids, out=c.rows[:n])
+        c.rows[n:] = table_rows(table, [self.pad_id])
         uploaded = time.perf_counter()
         c.began.record(c.queue)
         c.graph.launch(c.stream)
@@ -611,36 +620,37 @@ class CudaEncoder:
         launched = time.perf_counter()
         c.copied.synchronize()
         done = time.perf_counter()
-        # host: the calls' own time (ids_s: the ids into the graph's pinned array; queue_s: graph launch,
-        # rows' copy and events queued; wait_s: until the copy's event); gpu_s, copy_s: CUDA events
+        # host: the calls' own time (rows_s: the prompt's table rows into the graph's pinned array; queue_s:
+        # graph launch, output rows' copy and events queued; wait_s: until the copy's event); gpu_s, copy_s:
+        # CUDA events
         self.timings = {"host_s": launched - start, "total_s": done - start, "bucket": size,
-                        "ids_s": uploaded - start, "queue_s": launched - uploaded, "wait_s": done - launched,
+                        "rows_s": uploaded - start, "queue_s": launched - uploaded, "wait_s": done - launched,
                         "gpu_s": cuda.event_elapsed_time(c.began, c.ran) / 1e3,
                         "copy_s": cuda.event_elapsed_time(c.ran, c.copied) / 1e3}
         return out
 
     def _capture(self, size):
         dummy = np.zeros(size, dtype=np.int64)
-        ids = cuda.pinned_array(size, np.int32)
+        rows = cuda.pinned_array((size, self.config["hidden_size"]), np.uint16)
 
         def run():
-            self.ops.ids_host = ids            # the ids' upload becomes the graph's first node
+            self.ops.rows_host = rows          # the prompt's rows' upload becomes the graph's first node
             return self.model(dummy)
         try:
             graph, stream, out = planned_capture(self.ops, lambda: self.model(dummy), run)
         finally:
-            self.ops.ids_host = None
-        self._captured[size] = _Bucket(graph, stream, out, ids)
+            self.ops.rows_host = None
+        self._captured[size] = _Bucket(graph, stream, out, rows)
         self._kept = getattr(self, "_kept", []) + self.ops.kept
 
 
 class _Bucket:
-    """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned ids array its
-    first node reads, and what each encode reuses: the stream as numba sees it, three events (an upload of
-    the ids through numba cost host time before the graph could start)."""
+    """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned bf16 table rows
+    [bucket, hidden] its first node reads, and what each encode reuses: the stream as numba sees it, three
+    events (an upload through numba cost host time before the graph could start)."""
 
-    def __init__(self, graph, stream, rows_buffer, ids):
-        self.graph, self.stream, self.rows_buffer, self.ids = graph, stream, rows_buffer, ids
+    def __init__(self, graph, stream, rows_buffer, rows):
+        self.graph, self.stream, self.rows_buffer, self.rows = graph, stream, rows_buffer, rows
         self.queue = numba_stream(stream)
         self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
 
