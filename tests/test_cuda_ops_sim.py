@@ -141,6 +141,11 @@ for fused in (True, False):
 table = r(10, 8).astype(ml_dtypes.bfloat16)
 ids = np.array([3, 0, 9, 3])
 check("embedding bf16", gpu.embedding(table, ids), ref.embedding(table, ids), 0)
+wide_table = r(10, 8)                  # a float32 table: its rows rounded to bf16 on the way (as the params are)
+check("embedding float32 table", gpu.embedding(wide_table, ids),
+      ref.embedding(wide_table.astype(ml_dtypes.bfloat16), ids), 0)
+dst = np.zeros((4, 8), np.uint16)
+assert cuda_table.table_rows(table, ids, out=dst) is dst and (dst == table.view(np.uint16)[ids]).all()
 # the DiT's ops (cuda_dit): bf16 operands and heads out, the float32 stream updated in place
 from numba import cuda
 from cuda_kernels.core import to_bf16_bits
