@@ -11,7 +11,8 @@ shapes without values, and the simulator's chunk constants set to the device's, 
   blocks), with best fit alone, and with blocks only of the exact size asked, beside the most lent at once.
 * The whole picture as `moss-image --device cuda` runs it from the real-size folder's configs (the 9B
   encoder, the 42-block DiT, the decoder; a short prompt and the empty negative, 50 steps, guidance 3, block
-  22 skipped): the planned pool after each stage, for each size in turn.
+  22 skipped): the weights each component keeps on the device, and the planned pool after each stage, for
+  each size in turn.
 
 No GPU needed; values are not computed (seconds).
 """
@@ -140,6 +141,23 @@ def _skip_work():
     sdpa.attention = lambda *args, **kwargs: None
 
 
+def _device_bytes(ops):
+    """Bytes of the distinct device arrays an op table keeps in its params (weights, stacks, split weights)."""
+    seen = {}
+
+    def add(v):
+        if isinstance(v, (tuple, list)):
+            for x in v:
+                add(x)
+        elif hasattr(v, "weight") and hasattr(v, "sizes"):
+            add(v.weight)
+        elif hasattr(v, "__cuda_array_interface__") or type(v).__name__ == "FakeCUDAArray":
+            seen[id(v)] = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+    for value in ops._params.values():
+        add(value)
+    return sum(seen.values())
+
+
 def picture(sizes, steps=50):
     """The planned pool after each stage of `moss-image --device cuda` at each size in turn (GB)."""
     from make_real_checkpoint import configs
@@ -180,6 +198,12 @@ def picture(sizes, steps=50):
     dit = CudaDenoiser(tensors["transformer"], cfg["transformer"])
     dit.upload()
     dec = CudaDecoder(tensors["vae"], cfg["vae"], graphs=False)
+    dec.decoder.decode_image(dec.ops.array(np.zeros((cfg["vae"]["latent_channels"], 2, 2), np.float32)))
+    weights = {"text_encoder": _device_bytes(enc.ops), "transformer": _device_bytes(dit.ops),
+               "vae": _device_bytes(dec.ops)}
+    rows.append({"stage": "weights on the device", **{k: v / 1e9 for k, v in weights.items()}})
+    print("weights on the device: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in weights.items())
+          + f"; {sum(weights.values()) / 1e9:.2f} GB in all", flush=True)
     text = dit.config["text_dim"]
     cond = dit._slot("cond", dit.prepare_text(np.zeros((24, text), np.float32)))
     uncond = dit._slot("uncond", dit.prepare_text(np.zeros((12, text), np.float32)))

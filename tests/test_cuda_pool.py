@@ -1,6 +1,7 @@
 """The shared device pool's lending (moss_cli/ops/cuda_pool.py), with a counting allocator: best fit, the
 small requests' exact sizes, the order among equal blocks, growth only when nothing free fits."""
 
+import numpy as np
 import pytest
 
 from moss_cli.ops import cuda_pool
@@ -86,7 +87,8 @@ def test_an_empty_request_still_gets_a_block(nbytes):
 def test_the_pool_plan_at_real_sizes_shares_blocks_between_sizes_and_components():
     """scripts/pool_plan.py: the real small decoder's requests (kernels skipped, in the simulator) at 1024x1024
     and then 512x512. The planned pool holds less than best fit alone, which holds less than an exact-size pool
-    would; all hold at least what is lent at once; the smaller decode adds almost nothing."""
+    would; all hold at least what is lent at once; the smaller decode adds almost nothing. The whole picture's
+    pool is shared by the DiT and the decoder, and the encoder keeps every weight but its embedding table."""
     import json
     import os
     import subprocess
@@ -103,7 +105,8 @@ def test_the_pool_plan_at_real_sizes_shares_blocks_between_sizes_and_components(
         assert done.returncode == 0, done.stderr[-3000:]
         plan = json.loads(out.read_text())
         big, small = plan["decoder"]
-        whole = {row["stage"]: row["pool_GB"] for row in plan["picture"]}
+        whole = {row["stage"]: row["pool_GB"] for row in plan["picture"] if "pool_GB" in row}
+        weights = next(row for row in plan["picture"] if row["stage"] == "weights on the device")
     assert (big["size"], small["size"]) == (1024, 512)
     assert big["live_peak_GB"] <= big["planned_GB"] < big["best_fit_GB"] < big["exact_size_GB"]
     assert small["planned_misses"] == 0
@@ -112,6 +115,14 @@ def test_the_pool_plan_at_real_sizes_shares_blocks_between_sizes_and_components(
     # the whole picture's pool: the DiT's and the decoder's graphs share blocks; the 512 graphs add ~nothing
     assert whole["1024x1024: the decoder's graph"] < big["planned_GB"] + whole["1024x1024: the DiT's step graphs (2)"]
     assert whole["512x512: the decoder's graph"] < 1.01 * whole["1024x1024: the decoder's graph"]
+    # the encoder's device weights: every tensor it reads (matrices bf16, the rest float32) but the token
+    # embedding table, which stays on the host
+    sys.path.insert(0, str(root / "scripts"))
+    from make_real_checkpoint import configs
+    from moss_cli.checkpoint import expected_tensors
+    shapes = expected_tensors("text_encoder", configs(1)["text_encoder"])
+    want = sum(int(np.prod(v)) * (2 if len(v) == 2 else 4) for k, v in shapes.items() if k != "embed_tokens.weight")
+    assert weights["text_encoder"] == pytest.approx(want / 1e9, rel=1e-6)
 
 
 LEASE_SCRIPT = r'''
