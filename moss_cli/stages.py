@@ -91,11 +91,16 @@ def _gpu_memory():
     return cuda.current_context().get_memory_info()
 
 
+# tensors a component's GPU graph reads from the host, never uploaded (the encoder gathers its prompt's rows)
+HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}
+
+
 def _require_gpu_room(comp, matrix_bytes):
     """Refuse, before any upload, a component whose weights alone do not fit in the GPU's free memory: on
     the GPU its 2-D matrices take `matrix_bytes` an element (bf16: 2; the decoder keeps float32: 4), every
-    other tensor float32."""
-    need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for a in comp.tensors.values())
+    other tensor float32; the tensors it reads from the host (HOST_TENSORS) take nothing there."""
+    host = HOST_TENSORS.get(comp.name, ())
+    need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for k, a in comp.tensors.items() if k not in host)
     free, total = _gpu_memory()
     if need > free:
         what = {"text_encoder": "text encoder", "vae": "VAE decoder"}.get(comp.name, comp.name)
