@@ -76,7 +76,7 @@ def plan(sizes):
     from gpu_decoder import SMALL, random_tensors
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
-    _skip_work()
+    skip_work()
     tensors = random_tensors(SMALL)
     pools = {"best_fit": RecordingPool(), "planned": RecordingPool()}
     decoders = {}
@@ -125,7 +125,7 @@ def _shapes_only():
     CudaOps.param, CudaOps.params = param, params
 
 
-def _skip_work():
+def skip_work():
     """Every kernel launch, product and attention call a no-op; the device's chunk constants."""
     from cuda_kernels import core, sdpa
     conv.COLUMN_BYTES, conv.GN_PARTS = conv.DEVICE_COLUMN_BYTES, conv.DEVICE_GN_PARTS
@@ -167,7 +167,7 @@ def picture(sizes, steps=50):
     from moss_cli.schedule import sigmas
     from moss_cli.stages import DEFAULT_SKIP_LAYERS, DEFAULT_SKIP_START, DEFAULT_SKIP_STOP
 
-    _skip_work()
+    skip_work()
     _shapes_only()
     pool = RecordingPool()
     cuda_table._POOL[:] = [pool]

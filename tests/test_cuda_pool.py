@@ -224,22 +224,17 @@ def test_a_planned_block_that_is_lent_falls_back_to_best_fit():
 
 
 ALIGN_SCRIPT = r'''
+import sys
 import numpy as np
-from numba.cuda.simulator import kernel as sim_kernel
 from numba import cuda
-from cuda_kernels import conv
+sys.path.insert(0, "scripts")
+from pool_plan import skip_work
 from moss_cli.checkpoint import open_checkpoint
 from moss_cli.ops import cuda_table
 from moss_cli.ops.cuda_decoder import CudaDecoder
 from moss_cli.ops.cuda_denoiser import CudaDenoiser
 
-# the requests only: no kernel runs, no product
-sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
-conv.half_product = lambda a, w, d, stream=0: None
-class NoBlas:
-    def linear(self, *args, **kwargs):
-        pass
-cuda_table.blas = lambda: NoBlas()
+skip_work()                   # the requests only: no kernel runs, no product
 pool = cuda_table.shared_pool()
 ckpt = open_checkpoint()
 
