@@ -563,7 +563,8 @@ def bucket(length):
 class CudaEncoder:
     """ids -> float32 rows [L, hidden] on the GPU: the Qwen3.5 graph captured once per length bucket.
 
-    Weights go to the device once (`upload`), straight from the (memory-mapped) tensors, one at a time.
+    Weights go to the device once (`upload`), straight from the (memory-mapped) tensors, one at a time, but
+    the token embedding table, which stays on the host: each encode gathers its prompt's rows there.
     `graphs=False` runs the ops eagerly (one launch per op), for per-layer checks.
     """
 
