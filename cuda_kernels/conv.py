@@ -115,11 +115,17 @@ def weight_matrix(w):
 
 # --- kernels ------------------------------------------------------------------------------
 @jit(device=True, forceinline=True)
-def _gn_silu(v, c, stats, w, b):
-    """silu((v - mean) (w[c] rstd) + b[c]) for a value v of channel c, its group's (mean, rstd) in stats [G, 2+]
+def _gn_affine(v, c, stats, w, b):
+    """(v - mean) (w[c] rstd) + b[c] for a value v of channel c, its group's (mean, rstd) in stats [G, 2+]
     (consecutive channel groups). The one formula of the group norm's output wherever it is made."""
     g = c // (w.shape[0] // stats.shape[0])
-    y = (v - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
+    return (v - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
+
+
+@jit(device=True, forceinline=True)
+def _gn_silu(v, c, stats, w, b):
+    """silu of _gn_affine."""
+    y = _gn_affine(v, c, stats, w, b)
     return y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
 
 
@@ -302,14 +308,9 @@ def _make_gn_apply():
     def gn_apply(x, stats, w, b, out, silu):
         """out = (x - mean) * (w[c] rstd) + b[c] (then silu) over x [C, P] of consecutive channel groups, stats
         [G, 2+] their (mean, rstd)."""
-        per = x.shape[0] // stats.shape[0]
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             c, p = i // x.shape[1], i % x.shape[1]
-            if silu:
-                out[c, p] = _gn_silu(x[c, p], c, stats, w, b)
-            else:
-                g = c // per
-                out[c, p] = (x[c, p] - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
+            out[c, p] = _gn_silu(x[c, p], c, stats, w, b) if silu else _gn_affine(x[c, p], c, stats, w, b)
     return gn_apply
 
 

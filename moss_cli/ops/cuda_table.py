@@ -131,9 +131,10 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
     def new(self, shape, dtype=np.float32):
         """An uninitialised device array from the pool."""
         shape = tuple(int(n) for n in shape)
-        block = self.pool.take(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        block = self.pool.take(nbytes)
         if SIMULATED:        # the block is host memory: lent as the device path lends it, views of the lease
-            return _simulated_lease(block, shape, dtype, self.pool)
+            return _simulated_lease(block, nbytes, shape, dtype, self.pool)
         lease = DeviceView(block.base, shape, None, np.dtype(dtype).str)   # lent out: its death returns the block
         weakref.finalize(lease, self.pool.give, block)
         return cuda.as_cuda_array(lease, sync=False)
@@ -535,9 +536,8 @@ class _HostLease:
                                     "version": 3}
 
 
-def _simulated_lease(block, shape, dtype, pool):
+def _simulated_lease(block, nbytes, shape, dtype, pool):
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     lease = _HostLease(block.base, nbytes)
     weakref.finalize(lease, pool.give, block)
     return FakeCUDAArray(np.asarray(lease).view(dtype).reshape(shape))
