@@ -134,12 +134,7 @@ def _op_errors(dec, latents):
 
 
 KERNELS = ("Memcpy", "im2col", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows", "softmax", "unpack",
-           "pixels", "zero", "copy")
-
-
-def _kernel_group(name):
-    """A kernel's row in --profile: ours by name, the products (cuBLASLt) by theirs."""
-    return next((key for key in KERNELS if key in name), "cuBLAS " + name[:60])
+           "pixels", "zero", "copy")      # --profile's rows: ours by name, the products (cuBLASLt) by theirs
 
 
 def main(argv=None):
@@ -164,7 +159,7 @@ def main(argv=None):
 
     import torch
     from reference import vae_decoder
-    from torch_timing import cuda_spans, kernel_table, median_ms, table_lines
+    from torch_timing import by_family, cuda_spans, kernel_table, median_ms, table_lines
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
@@ -182,7 +177,7 @@ def main(argv=None):
         row["ours_ms"] = ours_ms(dec, latents, args.replays)
         if args.profile:
             row["profile"] = kernel_table(cuda_spans(lambda: [dec.decode(latents) for _ in range(3)]), repeats=3,
-                                          group=_kernel_group)
+                                          group=by_family(KERNELS))
             print(f"{size}x{size} per decode: span {row['profile']['span_ms']:.1f} ms, kernels busy "
                   f"{row['profile']['busy_ms']:.1f} ms\n" + "\n".join(table_lines(row["profile"])), flush=True)
         lat = torch.from_numpy(latents).cuda()

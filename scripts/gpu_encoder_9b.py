@@ -131,23 +131,18 @@ def hf_hidden(model, ids):
 
 GROUPS = ("Memcpy", "gated_delta_rule", "causal_conv1d", "gated_rms_norm", "rms_norm", "l2_norm", "softmax", "rope",
           "strided_copy", "copy_rows", "embedding", "cast_bf16", "unary", "binary", "swiglu", "gdn_gates",
-          "sigmoid_gate", "prep", "solve", "walk", "setup", "flash")
-
-
-def _group(name):
-    """A kernel's row in the profile: our kernels by family, the rest (cuBLAS) by name."""
-    return next((key for key in GROUPS if key in name), "cuBLAS " + name[:60])
+          "sigmoid_gate", "prep", "solve", "walk", "setup", "flash")    # the profile's rows: ours by family
 
 
 def profile(enc, ids, top=40):
     """GPU time per kernel over 3 graph replays (CUPTI): the top rows, as text."""
-    from torch_timing import cuda_spans, kernel_table, table_lines
+    from torch_timing import by_family, cuda_spans, kernel_table, table_lines
     enc(ids)
 
     def three():
         for _ in range(3):
             enc(ids)
-    return table_lines(kernel_table(cuda_spans(three), repeats=3, group=_group, top=top))
+    return table_lines(kernel_table(cuda_spans(three), repeats=3, group=by_family(GROUPS), top=top))
 
 
 def replay_ms(enc, ids):

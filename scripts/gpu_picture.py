@@ -5,7 +5,8 @@ graphs).
 
 Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
-(the pool only grows, so this is the peak of the run), and the shared pool's part of it. Writes JSON and the PNGs beside it.
+(the pool only grows, so this is the peak of the run), and the shared pool's part of it. Writes JSON and the
+PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
 """

@@ -54,6 +54,12 @@ def kernel_table(spans, repeats=1, group=None, top=40, gaps=6):
             "kernels": {k: {"ms": ms / repeats, "launches": n / repeats} for k, (ms, n) in rows}}
 
 
+def by_family(keys):
+    """A kernel_table group: a kernel named with one of `keys` (the first that matches) under that key, the
+    rest (cuBLAS's) under their own names."""
+    return lambda name: next((key for key in keys if key in name), "cuBLAS " + name[:60])
+
+
 def table_lines(table):
     """The table's kernel rows as text, one a line."""
     return [f"{row['ms']:9.3f} ms  {row['launches']:7.1f} launches  {name}" for name, row in table["kernels"].items()]

@@ -35,3 +35,11 @@ def test_a_group_function_merges_names():
     table = kernel_table(SPANS, repeats=2, group=lambda n: "products" if "gemm" in n else n)
     assert table["kernels"]["products"] == {"ms": pytest.approx(0.2), "launches": 2.0}
     assert any(line.endswith("products") and "0.200 ms" in line for line in table_lines(table))
+
+
+def test_by_family_names_ours_by_the_first_key_and_the_rest_as_cublas():
+    from torch_timing import by_family
+    group = by_family(("Memcpy", "im2col", "copy"))
+    assert group("_ZN6cudapy4conv6im2col_copy") == "im2col"
+    assert group("Memcpy HtoD (Pinned -> Device)") == "Memcpy"
+    assert group("sm90_xmma_gemm_f16") == "cuBLAS sm90_xmma_gemm_f16"
