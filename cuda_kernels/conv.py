@@ -2,10 +2,11 @@
 
 A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
 max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
-hi + lo holds 22 bits of x s; a product takes the three terms hi*hi + lo*hi + hi*lo of its two operands as one
-fp16 product with K tripled, [a_hi | a_lo | a_hi] . [w_hi | w_hi | w_lo], on tensor cores with float32
-accumulation, then `finish` divides the scales out and adds the bias. bf16 parts (16 bits) are too coarse for
-float32-level pixels; TF32 parts run at half the rate.
+hi + lo holds 22 bits of x s; a product takes the three terms hi*hi + lo*hi + hi*lo of its two operands on
+tensor cores with float32 accumulation: the left operand is stored once as [a_hi | a_lo], the right one as
+[w_hi | w_hi | w_lo], each part K rounded up to 128 columns (zeros past K), and the product sums two fp16
+products, [a_hi | a_lo] . [w_hi | w_hi] and a_hi . w_lo; `finish` then divides the scales out and adds the
+bias. bf16 parts (16 bits) are too coarse for float32-level pixels; TF32 parts run at half the rate.
 """
 
 import functools
@@ -21,6 +22,8 @@ TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
 TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / im2col block
+PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
+RUN = 4 if SIMULATED else 32  # output pixels (of one image row) of an im2col block
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
@@ -102,15 +105,30 @@ def half_value(bits):
     return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
 
 
+def part(k):
+    """The columns of one split part of K columns: K rounded up to a multiple of PART."""
+    return -(-k // PART) * PART
+
+
+def split_width(k, weight=False):
+    """Columns of a split operand of K columns: [hi | lo] (left), [hi | hi | lo] (weight, the right one)."""
+    return (3 if weight else 2) * part(k)
+
+
 def weight_matrix(w):
-    """A conv weight [O, C, kh, kw] (or a linear's [O, C]) as the product's right operand: fp16 bits [O, 3 K]
-    = [w_hi | w_hi | w_lo] in column order k = tap C + c, and its peak |w| (the scale's source)."""
+    """A conv weight [O, C, kh, kw] (or a linear's [O, C]) as the product's right operand: fp16 bits [O, 3 P]
+    = [w_hi | w_hi | w_lo], P = part(K), in column order k = tap C + c, zeros past K in each part; and its
+    peak |w| (the scale's source)."""
     w = np.asarray(w, np.float32)
     o = w.shape[0]
     m = w.reshape(o, w.shape[1], -1).transpose(0, 2, 1).reshape(o, -1) if w.ndim == 4 else w
     peak = float(np.abs(m).max()) if m.size else 0.0
     hi, lo = host_split(m, host_scale(peak))
-    return np.ascontiguousarray(np.concatenate([hi, hi, lo], axis=1)), np.float32(peak)
+    k, p = m.shape[1], part(m.shape[1])
+    out = np.zeros((o, 3 * p), np.uint16)
+    for i, bits in enumerate((hi, hi, lo)):
+        out[:, i * p:i * p + k] = bits
+    return out, np.float32(peak)
 
 
 # --- kernels ------------------------------------------------------------------------------
@@ -164,17 +182,20 @@ def _make_absmax(control, norm=False):
 def _make_split_rows(control):
     @jit
     def split_rows(x, peak, out, weight):
-        """x [M, K] -> out [M, 3K] fp16 bits: [hi | lo | hi] (weight: [hi | hi | lo]) of x * scale_of(peak)."""
+        """x [M, K] -> out fp16 bits of x * scale_of(peak), parts of P = part(K) columns, zeros past K: [M, 2P]
+        [hi | lo], or (weight) [M, 3P] [hi | hi | lo]."""
         s = scale_of(peak[0])
         k = x.shape[1]
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            r, c = i // k, i % k
-            v = x[r, c] * s
+        p = out.shape[1] // (3 if weight else 2)
+        for i in range(cuda.grid(1), x.shape[0] * p, cuda.gridsize(1)):
+            r, c = i // p, i % p
+            v = x[r, c] * s if c < k else float32(0.0)
             hi = to_half(v)
             lo = to_half(v - from_half(hi)) if not control else uint16(0)
             out[r, c] = hi
-            out[r, k + c] = hi if weight else lo
-            out[r, 2 * k + c] = lo if weight else hi
+            out[r, p + c] = hi if weight else lo
+            if weight:
+                out[r, 2 * p + c] = lo
     return split_rows
 
 
@@ -182,41 +203,64 @@ def _make_split_rows(control):
 def _make_im2col(control, taps, up, norm=False):
     """Columns of a stride-1 conv with `taps` x `taps` taps (padding taps // 2), for image rows [r0, r0 + rows)
     of the output; up: the input is the nearest-2x upsampling of x (read through, never written); norm: the
-    input is silu(group_norm(x)) of the group statistics in stats (made on each read, never written)."""
+    input is silu(group_norm(x)) of the group statistics in stats (never written).
+
+    A block takes a run of RUN output pixels of one image row and a slab of blockDim.x channels. It first
+    stages the input the run reads, taps rows of RUN + taps - 1 values a channel, each value made (norm),
+    scaled and split once into a (hi, lo) word in shared memory, threads along the image row (coalesced
+    reads); then writes the run's columns from there, threads along channels (coalesced writes)."""
     pad = taps // 2
+    span = RUN + taps - 1               # input columns a run reads
+    stride = span | 1                   # a staged row, odd: threads along channels read distinct banks
+    words = 32 * taps * stride
 
     @jit
     def im2col(x, peak, cols, r0, stats, gw, gb):
-        """cols[p, part K + t C + c] (K = taps^2 C, parts hi | lo | hi) for output pixel p of the chunk, tap t,
-        channel c; threads along c (coalesced writes), rows of the block along pixels."""
+        """cols[p, part P + t C + c] (parts hi | lo of P = part(taps^2 C) columns, zeros past taps^2 C) for
+        output pixel p of the chunk, tap t, channel c."""
+        sh = cuda.shared.array(words, uint32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
         h, w = (2 * x.shape[1], 2 * x.shape[2]) if up else (x.shape[1], x.shape[2])
         k = taps * taps * c_in
-        c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-        if c >= c_in:
-            return
-        for p in range(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y, cols.shape[0],
-                       cuda.gridDim.x * cuda.blockDim.y):
-            y0, x0 = r0 + p // w, p % w
-            for t in range(taps * taps):
-                yy = y0 + t // taps - pad
-                xx = x0 + t % taps - pad
-                if control:
-                    xx = x0 + t // taps - pad
-                    yy = y0 + t % taps - pad
+        p = cols.shape[1] // 2
+        slab = cuda.blockDim.x
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        tid, threads = ty * slab + tx, slab * cuda.blockDim.y
+        c0 = cuda.blockIdx.y * slab
+        per_row = (w + RUN - 1) // RUN
+        for run in range(cuda.blockIdx.x, (cols.shape[0] // w) * per_row, cuda.gridDim.x):
+            y, x0 = r0 + run // per_row, (run % per_row) * RUN
+            first = (y - r0) * w + x0                    # the run's first column row
+            cuda.syncthreads()                           # the previous run's reads of sh are done
+            for i in range(tid, slab * taps * span, threads):
+                j, dy, c = i % span, (i // span) % taps, c0 + i // (span * taps)
+                yy, xx = y + dy - pad, x0 + j - pad
                 v = float32(0.0)
-                if 0 <= yy < h and 0 <= xx < w:
+                if c < c_in and 0 <= yy < h and 0 <= xx < w:
                     v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
                     if norm:
                         v = _gn_silu(v, c, stats, gw, gb)
                 v *= s
                 hi = to_half(v)
                 lo = to_half(v - from_half(hi)) if not control else uint16(0)
-                j = t * c_in + c
-                cols[p, j] = hi
-                cols[p, k + j] = lo
-                cols[p, 2 * k + j] = hi
+                sh[((c - c0) * taps + dy) * stride + j] = uint32(hi) | (uint32(lo) << uint32(16))
+            cuda.syncthreads()
+            c = c0 + tx
+            for q in range(ty, RUN * taps * taps, cuda.blockDim.y):
+                px, t = q // (taps * taps), q % (taps * taps)
+                dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
+                if c < c_in and x0 + px < w:
+                    word = sh[(tx * taps + dy) * stride + px + dx]
+                    j = t * c_in + c
+                    cols[first + px, j] = uint16(word & uint32(0xFFFF))
+                    cols[first + px, p + j] = uint16(word >> uint32(16))
+            if cuda.blockIdx.y == 0 and p > k:           # the parts' zero columns past K
+                for i in range(tid, RUN * (p - k), threads):
+                    px, j = i // (p - k), k + i % (p - k)
+                    if x0 + px < w:
+                        cols[first + px, j] = uint16(0)
+                        cols[first + px, p + j] = uint16(0)
     return im2col
 
 
@@ -375,21 +419,24 @@ def _no_norm():
 
 
 def split_rows(x, peak, out, weight=False, stream=0, control=False):
-    """out [M, 3K] fp16 bits of x [M, K] scaled by scale_of(peak[0]): [hi | lo | hi], or [hi | hi | lo] (weight)."""
-    _split_rows[control][_blocks(x.size), BLOCK, stream](x, peak, out, weight)
+    """out fp16 bits of x [M, K] scaled by scale_of(peak[0]), [M, split_width(K, weight)]: [hi | lo], or
+    [hi | hi | lo] (weight), each part part(K) columns, zeros past K."""
+    _split_rows[control][_blocks(x.shape[0] * part(x.shape[1])), BLOCK, stream](x, peak, out, weight)
 
 
 def chunk_rows(c_in, taps, width):
     """Output image rows per im2col chunk: as many as keep the columns within COLUMN_BYTES."""
-    return max(1, COLUMN_BYTES // (3 * taps * taps * c_in * 2 * width))
+    return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
 
 
 def im2col(x, peak, cols, r0, taps, up=False, norm=None, stream=0, control=False):
-    """cols [rows W, 3 taps^2 C] fp16 bits: the split columns of output rows r0.. of a conv over x [C, H, W]
-    (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over silu(group_norm(x))),
-    zero padding taps // 2, the input scaled by scale_of(peak[0])."""
+    """cols [rows W, split_width(taps^2 C)] fp16 bits: the split columns [hi | lo] of output rows r0.. of a
+    conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
+    silu(group_norm(x))), zero padding taps // 2, the input scaled by scale_of(peak[0])."""
+    width = 2 * x.shape[2] if up else x.shape[2]
+    runs = (cols.shape[0] // width) * -(-width // RUN)
     tx = min(32, x.shape[0])
-    grid = (max(1, min(-(-cols.shape[0] // ROWS), 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
+    grid = (max(1, min(runs, 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
     stats, w, b = _no_norm() if norm is None else norm
     _make_im2col(control, taps, up, norm is not None)[grid, (tx, ROWS), stream](x, peak, cols, int(r0), stats, w, b)
 
@@ -444,15 +491,27 @@ def to_pixels(image, out, stream=0, control=False):
 
 
 # --- the split product on tensor cores ----------------------------------------------------
-class HalfProduct:
-    """cuBLASLt d[M, N] = a[M, K] . w[N, K]^T, a and w fp16 bits, float32 accumulate and output (gemm.py's
-    layout with fp16 operands); the algorithm is the heuristic's first, planned once per shape.
+def segments(a_cols, w_cols):
+    """(a column, w column, length) of the two fp16 products of a split product, a = [a_hi | a_lo] of
+    a_cols = 2 P columns and w = [w_hi | w_hi | w_lo] of w_cols = 3 P: [a_hi | a_lo] . [w_hi | w_hi], then
+    a_hi . w_lo."""
+    p = a_cols // 2
+    if a_cols != 2 * p or w_cols != 3 * p:
+        raise ValueError(f"a split product takes [hi | lo] (2P columns) and [hi | hi | lo] (3P), not {a_cols} "
+                         f"and {w_cols}")
+    return [(0, 0, 2 * p), (0, 2 * p, p)]
 
-    K is cut into slices of at most SLICE_K columns, each one product that adds into d (beta = 1 from the
-    second on). The tensor cores' float32 accumulator loses about half an ulp of the running sum per k16
-    step, with one sign (measured on the H200: the decoder's products were 1.7e-9 K off float64, relative,
-    linear in K, against 1e-6 for a float32 sum over the same K); cuBLAS adds each slice into d in float32
-    with rounding to nearest, so the error grows with the slice, not with K."""
+
+class HalfProduct:
+    """cuBLASLt d[M, N] = the split product of a [M, 2P] and w [N, 3P] (fp16 bits, `segments`), float32
+    accumulation and output (gemm.py's layout with fp16 operands); the algorithm is the heuristic's first,
+    planned once per shape.
+
+    Each segment's K is cut into slices of at most SLICE_K columns, each one product that adds into d (beta
+    = 1 from the second on). The tensor cores' float32 accumulator loses about half an ulp of the running
+    sum per k16 step, with one sign (measured on the H200: the decoder's products were 1.7e-9 K off float64,
+    relative, linear in K, against 1e-6 for a float32 sum over the same K); cuBLAS adds each slice into d in
+    float32 with rounding to nearest, so the error grows with the slice, not with K."""
 
     def __init__(self):
         from .gemm import blas
@@ -462,16 +521,16 @@ class HalfProduct:
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
 
-    def _plan(self, m, n, k, ld):
+    def _plan(self, m, n, k, lda, ldw):
         from .gemm import COMPUTE_32F, OP_N, OP_T, _set
-        key = (m, n, k, ld)
+        key = (m, n, k, lda, ldw)
         plan = self._plans.get(key)
         if plan is None:
             lt, A = self.lt, self.lt.MatmulDescAttribute
             desc = lt.matmul_desc_create(COMPUTE_32F, R_32F)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSA, OP_T, np.int32)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
-            layouts = (lt.matrix_layout_create(R_16F, k, n, ld), lt.matrix_layout_create(R_16F, k, m, ld),
+            layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
                        lt.matrix_layout_create(R_32F, n, m, n))
             found = self.blas._heuristic(desc, *layouts, 1)
             if len(found) == 0:
@@ -481,14 +540,17 @@ class HalfProduct:
 
     def __call__(self, a, w, d, stream=0):
         from .gemm import WORKSPACE, _row, pointer, stream_handle
-        m, k = a.shape
-        n = w.shape[0]
-        for k0, kk in slices(k):
-            desc, (la, lb, lc), found = self._plan(m, n, kk, k)
-            beta = self._zero if k0 == 0 else self._one
-            self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * k0, la,
-                           pointer(a) + 2 * k0, lb, beta.ctypes.data, pointer(d), lc, pointer(d), lc,
-                           _row(found, 0), pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
+        m, lda = a.shape
+        n, ldw = w.shape
+        first = True
+        for a0, w0, k in segments(lda, ldw):
+            for k0, kk in slices(k):
+                desc, (lw, la, ld), found = self._plan(m, n, kk, lda, ldw)
+                beta = self._zero if first else self._one
+                first = False
+                self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * (w0 + k0), lw,
+                               pointer(a) + 2 * (a0 + k0), la, beta.ctypes.data, pointer(d), ld, pointer(d), ld,
+                               _row(found, 0), pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
@@ -507,10 +569,13 @@ _product = None
 
 
 def half_product(a, w, d, stream=0):
-    """d [M, N] float32 = a [M, K] . w [N, K]^T of fp16 bits. In the simulator (no cuBLAS): on the host in float64."""
+    """d [M, N] float32 = the split product of a [M, 2P] and w [N, 3P] fp16 bits (`segments`). In the
+    simulator (no cuBLAS): on the host in float64."""
     global _product
     if SIMULATED:
-        d[:] = (half_value(a.copy_to_host()) @ half_value(w.copy_to_host()).T).astype(np.float32)
+        av, wv = half_value(a.copy_to_host()), half_value(w.copy_to_host())
+        d[:] = sum(av[:, a0:a0 + k] @ wv[:, w0:w0 + k].T for a0, w0, k in segments(av.shape[1], wv.shape[1]))\
+            .astype(np.float32)
         return
     if _product is None:
         _product = HalfProduct()
@@ -582,31 +647,37 @@ def group_norm_bound(x, w, b, groups, silu):
 
 # --- contract --------------------------------------------------------------------------------
 def _make_split(rng, size):
-    m, k = (6, 20) if size == "tiny" else (4096, 16384)
+    m, k = (6, 20) if size == "tiny" else (4096, 16300)
     x = rng.standard_normal((m, k)).astype(np.float32) * 37
     x[0, :4] = (1e-9, -3e-7, 0.0, 2.5e-6)                       # values far below the peak
     return {"x": x}
 
 
 def _run_split(inp, control):
+    """Both forms: hi + lo of the left one, hi + lo and the middle hi of the weight's, every zero column."""
     x = cuda.to_device(inp["x"])
     peak = cuda.device_array(1, np.float32)
-    out = cuda.device_array((x.shape[0], 3 * x.shape[1]), np.uint16)
     absmax(x, peak, control=control)
-    split_rows(x, peak, out, control=control)
-    bits = out.copy_to_host()
-    k = x.shape[1]
+    forms = []
+    for weight in (False, True):
+        out = cuda.device_array((x.shape[0], split_width(x.shape[1], weight)), np.uint16)
+        split_rows(x, peak, out, weight, control=control)
+        forms.append(half_value(out.copy_to_host()))
+    (a, w), k, p = forms, x.shape[1], part(x.shape[1])
     s = host_scale(float(np.abs(inp["x"]).max()))
-    return np.concatenate([(half_value(bits[:, :k]) + half_value(bits[:, k:2 * k])) / s,
-                           half_value(bits[:, 2 * k:]) / s])
+    values = [(a[:, :k] + a[:, p:p + k]) / s, (w[:, :k] + w[:, 2 * p:2 * p + k]) / s, w[:, p:p + k] / s]
+    pads = [a[:, k:p], a[:, p + k:], w[:, k:p], w[:, p + k:2 * p], w[:, 2 * p + k:]]
+    return np.concatenate([v.ravel() for v in values + pads])
 
 
 def _ref_split(inp):
     x = inp["x"].astype(np.float64)
     peak = np.abs(x).max()
-    # hi + lo within SPLIT_REL of x (or the subnormal floor); the third part is hi alone, within 2^-11
-    return np.concatenate([x, x]), np.concatenate([SPLIT_REL * np.abs(x) + peak * 2.0 ** -38,
-                                                   2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38])
+    # hi + lo within SPLIT_REL of x (or the subnormal floor); the middle hi alone within 2^-11; pads exact zeros
+    split = (SPLIT_REL * np.abs(x) + peak * 2.0 ** -38).ravel()
+    zeros = np.zeros(5 * x.shape[0] * (part(x.shape[1]) - x.shape[1]))
+    return np.concatenate([x.ravel()] * 3 + [zeros]), \
+        np.concatenate([split, split, (2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38).ravel(), zeros])
 
 
 def _make_conv(taps, up):
@@ -650,7 +721,7 @@ def _run_conv(inp, control):
     rows = 2 if SIMULATED else chunk_rows(c, taps, wd)
     for r0 in range(0, h, rows):
         n = min(rows, h - r0) * wd
-        cols = cuda.device_array((n, wm.shape[1]), np.uint16)
+        cols = cuda.to_device(np.full((n, split_width(c * taps * taps)), 0xFFFF, np.uint16))   # NaN, as garbage
         d = cuda.device_array((n, o), np.float32)
         im2col(x, peak, cols, r0, taps, up, norm, control=control)
         half_product(cols, w, d)

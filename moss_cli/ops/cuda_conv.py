@@ -5,7 +5,7 @@ in float32, the latents' unpacking and the pixels' rounding on the device.
 Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
 nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
 never written. A conv runs over chunks of output rows:
-split columns of the chunk (im2col), one product against the split weight [O, 3 K] (prepared once per
+split columns of the chunk (im2col), one split product against the split weight (prepared once per
 weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
 chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
 residual, the ResNet block's sum) added.
@@ -43,7 +43,7 @@ class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
     def _split_weight(self, w):
-        """(fp16 bits [O, 3K], peak [1]) of a float32 device weight (conv [O, C, k, k] or linear [O, C]), made once."""
+        """(fp16 bits [O, split_width(K, True)], peak [1]) of a float32 device weight (conv [O, C, k, k] or linear [O, C]), made once."""
         key = ("split", id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
@@ -71,7 +71,7 @@ class ConvCudaOps:
         peak = self._peak(src, norm)
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, taps, width))
-        cols = self.new((rows * width, weight.shape[1]), np.uint16)
+        cols = self.new((rows * width, conv.split_width(c * taps * taps)), np.uint16)
         d = self.new((rows * width, o))
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
@@ -116,11 +116,12 @@ class ConvCudaOps:
 
     # --- float32-accurate products for the decoder's attention -------------------------------
     def _split(self, x, weight=False):
-        """(fp16 bits [M, 3K], peak) of a contiguous float32 x [.., K] (rows of the product's operand)."""
+        """(fp16 bits [M, split_width(K, weight)], peak) of a contiguous float32 x [.., K] (rows of the
+        product's left operand, or of its right one: weight)."""
         k = x.shape[x.ndim - 1]
         rows = x.reshape(x.size // k, k)
         peak = self._peak(rows)
-        out = self.new((rows.shape[0], 3 * k), np.uint16)
+        out = self.new((rows.shape[0], conv.split_width(k, weight)), np.uint16)
         conv.split_rows(rows, peak, out, weight, stream=self.stream)
         return out, peak
 
