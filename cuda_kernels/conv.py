@@ -23,7 +23,7 @@ TILE = 32                     # finish's transpose tile
 TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / im2col block
 PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
-RUN = 4 if SIMULATED else 32  # output pixels (of one image row) of an im2col block
+RUN = 4 if SIMULATED else 30  # output pixels (of one image row) of an im2col block
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
@@ -36,8 +36,9 @@ def _blocks(n):
 
 # --- fp16 bits <-> float32 ------------------------------------------------------------------
 @jit(device=True)
-def to_half(x):
-    """float32 -> fp16 bits, round to nearest even, subnormals kept, overflow to inf (NaN not special-cased)."""
+def to_half_stated(x):
+    """float32 -> fp16 bits, round to nearest even, subnormals kept, overflow to inf (NaN not special-cased):
+    the statement of cvt.rn.f16.f32, which `to_half` is on the GPU."""
     b = float32_bits(x)
     sign = (b >> uint32(16)) & uint32(0x8000)
     e = int32((b >> uint32(23)) & uint32(0xFF)) - 112          # fp16 exponent field
@@ -63,8 +64,8 @@ def to_half(x):
 
 
 @jit(device=True)
-def from_half(h):
-    """fp16 bits -> float32, exact (finite values)."""
+def from_half_stated(h):
+    """fp16 bits -> float32, exact (finite values): the statement of cvt.f32.f16, which `from_half` is on the GPU."""
     h = uint32(h)
     e = (h >> uint32(10)) & uint32(0x1F)
     m = h & uint32(0x3FF)
@@ -72,6 +73,43 @@ def from_half(h):
         v = float32(m) * float32(2.0 ** -24)
         return -v if (h & uint32(0x8000)) != uint32(0) else v
     return as_float32(((h & uint32(0x8000)) << uint32(16)) | ((e + uint32(112)) << uint32(23)) | (m << uint32(13)))
+
+
+def _cvt_ptx(text, result, operand, constraints, doc):
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    lowered = {types.float32: ir.FloatType(), types.uint16: ir.IntType(16)}
+
+    @intrinsic
+    def op(typingctx, x):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(lowered[result], [lowered[operand]]), text, constraints,
+                               side_effect=False)
+            return builder.call(asm, args)
+        return result(operand), codegen
+    op.__doc__ = doc
+    return op
+
+
+if SIMULATED:            # the simulator cannot run inline PTX: the statements above
+    to_half, from_half = to_half_stated, from_half_stated
+else:
+    from numba import types as _types
+    _to_half_ptx = _cvt_ptx("cvt.rn.f16.f32 $0, $1;", _types.uint16, _types.float32, "=h,f",
+                            "float32 -> fp16 bits, round to nearest even: one conversion")
+    _from_half_ptx = _cvt_ptx("cvt.f32.f16 $0, $1;", _types.float32, _types.uint16, "=f,h",
+                              "fp16 bits -> float32, exact: one conversion")
+
+    @jit(device=True, forceinline=True)
+    def to_half(x):
+        """float32 -> fp16 bits, round to nearest even (to_half_stated)."""
+        return _to_half_ptx(x)
+
+    @jit(device=True, forceinline=True)
+    def from_half(h):
+        """fp16 bits -> float32, exact (from_half_stated)."""
+        return _from_half_ptx(h)
 
 
 @jit(device=True)
@@ -210,11 +248,11 @@ def _make_im2col(control, taps, up, norm=False):
     scaled and split once into a (hi, lo) word in shared memory, threads along the image row (coalesced
     reads); then writes the run's columns from there, threads along channels (coalesced writes)."""
     pad = taps // 2
-    span = RUN + taps - 1               # input columns a run reads
+    span = RUN + taps - 1               # input columns a run reads (32 for 3x3 taps on the GPU)
     stride = span | 1                   # a staged row, odd: threads along channels read distinct banks
     words = 32 * taps * stride
 
-    @jit
+    @jit(launch_bounds=(32 * ROWS, 3))      # three blocks an SM (at most 85 registers; no spills)
     def im2col(x, peak, cols, r0, stats, gw, gb):
         """cols[p, part P + t C + c] (parts hi | lo of P = part(taps^2 C) columns, zeros past taps^2 C) for
         output pixel p of the chunk, tap t, channel c."""
@@ -226,37 +264,40 @@ def _make_im2col(control, taps, up, norm=False):
         p = cols.shape[1] // 2
         slab = cuda.blockDim.x
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        tid, threads = ty * slab + tx, slab * cuda.blockDim.y
         c0 = cuda.blockIdx.y * slab
         per_row = (w + RUN - 1) // RUN
         for run in range(cuda.blockIdx.x, (cols.shape[0] // w) * per_row, cuda.gridDim.x):
             y, x0 = r0 + run // per_row, (run % per_row) * RUN
             first = (y - r0) * w + x0                    # the run's first column row
             cuda.syncthreads()                           # the previous run's reads of sh are done
-            for i in range(tid, slab * taps * span, threads):
-                j, dy, c = i % span, (i // span) % taps, c0 + i // (span * taps)
-                yy, xx = y + dy - pad, x0 + j - pad
-                v = float32(0.0)
-                if c < c_in and 0 <= yy < h and 0 <= xx < w:
-                    v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
-                    if norm:
-                        v = _gn_silu(v, c, stats, gw, gb)
-                v *= s
-                hi = to_half(v)
-                lo = to_half(v - from_half(hi)) if not control else uint16(0)
-                sh[((c - c0) * taps + dy) * stride + j] = uint32(hi) | (uint32(lo) << uint32(16))
+            for r in range(ty, slab * taps, cuda.blockDim.y):        # staged row r: channel c0 + r // taps
+                c, yy = c0 + r // taps, y + r % taps - pad
+                live = c < c_in and 0 <= yy < h
+                for j in range(tx, span, slab):
+                    xx = x0 + j - pad
+                    v = float32(0.0)
+                    if live and 0 <= xx < w:
+                        v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
+                        if norm:
+                            v = _gn_silu(v, c, stats, gw, gb)
+                    v *= s
+                    hi = to_half(v)
+                    lo = to_half(v - from_half(hi)) if not control else uint16(0)
+                    sh[r * stride + j] = uint32(hi) | (uint32(lo) << uint32(16))
             cuda.syncthreads()
             c = c0 + tx
-            for q in range(ty, RUN * taps * taps, cuda.blockDim.y):
-                px, t = q // (taps * taps), q % (taps * taps)
-                dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
-                if c < c_in and x0 + px < w:
-                    word = sh[(tx * taps + dy) * stride + px + dx]
-                    j = t * c_in + c
-                    cols[first + px, j] = uint16(word & uint32(0xFFFF))
-                    cols[first + px, p + j] = uint16(word >> uint32(16))
+            if c < c_in:
+                pixels = min(RUN, w - x0)
+                for t in range(k // c_in):               # the taps (k // c_in: a loop the compiler keeps)
+                    dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
+                    base, j = (tx * taps + dy) * stride + dx, t * c_in + c
+                    for px in range(ty, pixels, cuda.blockDim.y):
+                        word = sh[base + px]
+                        cols[first + px, j] = uint16(word & uint32(0xFFFF))
+                        cols[first + px, p + j] = uint16(word >> uint32(16))
             if cuda.blockIdx.y == 0 and p > k:           # the parts' zero columns past K
-                for i in range(tid, RUN * (p - k), threads):
+                tid = ty * slab + tx
+                for i in range(tid, RUN * (p - k), slab * cuda.blockDim.y):
                     px, j = i // (p - k), k + i % (p - k)
                     if x0 + px < w:
                         cols[first + px, j] = uint16(0)

@@ -185,9 +185,9 @@ def norm_modulate_bound(x, w, shift, scale, d):
 
 # --- per-head q/k RMSNorm + RoPE ------------------------------------------------------------
 # Bf16 values a thread reads and writes as one word: 2 (4-byte words) or 4 (8-byte words: half the threads a
-# head, twice the bytes in flight each). The 4-byte form is the one measured on the H200 (6.0 ms of a 1024
-# step, 2.6x its memory time); gpu_dit.py times the 8-byte form beside it.
-QK_WIDTH = 2
+# head, twice the bytes in flight each). The 8-byte form is the default: a 1024 step took 182.2 ms with it
+# against 183.9 with 4-byte words in one H200 run; gpu_dit.py times the 4-byte form beside it.
+QK_WIDTH = 4
 
 
 @functools.cache

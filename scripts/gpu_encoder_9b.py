@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 
+import ml_dtypes
 import numpy as np
 import torch
 from numba import cuda
@@ -21,6 +22,7 @@ from cuda_kernels import gdn_chunk
 from cuda_kernels.core import from_bf16_bits, to_bf16_bits
 from cuda_kernels.layout import random_bf16
 from moss_cli.encoder import expected_tensors, text_config
+from moss_cli.stages import HOST_TENSORS
 from moss_cli.ops.cuda_table import CudaEncoder
 
 CONFIG = {"text_config": {
@@ -73,6 +75,8 @@ def make_weights(config, seed=0):
         else:
             tensors[name] = small_param(name, shape, rng)
     cuda.synchronize()
+    for name in HOST_TENSORS["text_encoder"]:      # kept on the host, as the product's loader keeps them
+        tensors[name] = tensors[name].copy_to_host().view(ml_dtypes.bfloat16)
     return tensors
 
 
@@ -116,6 +120,8 @@ def hf_model(config, tensors):
     for name, value in tensors.items():
         if hasattr(value, "__cuda_array_interface__"):
             state[name] = torch.as_tensor(value, device="cuda").view(torch.bfloat16)
+        elif value.dtype == ml_dtypes.bfloat16:
+            state[name] = torch.as_tensor(value.view(np.uint16)).view(torch.bfloat16).to("cuda")
         else:
             state[name] = torch.as_tensor(value).to("cuda", torch.bfloat16)
     model.load_state_dict(state, strict=True, assign=True)

@@ -145,7 +145,14 @@ wide_table = r(10, 8)                  # a float32 table: its rows rounded to bf
 check("embedding float32 table", gpu.embedding(wide_table, ids),
       ref.embedding(wide_table.astype(ml_dtypes.bfloat16), ids), 0)
 dst = np.zeros((4, 8), np.uint16)
+from numba import cuda
 assert cuda_table.table_rows(table, ids, out=dst) is dst and (dst == table.view(np.uint16)[ids]).all()
+for wrong in (table.view(np.uint16), cuda.to_device(table.view(np.uint16))):   # bits as numbers; on the device
+    try:
+        cuda_table.table_rows(wrong, ids)
+        raise AssertionError("table_rows read a table it must refuse")
+    except TypeError:
+        pass
 # the DiT's ops (cuda_dit): bf16 operands and heads out, the float32 stream updated in place
 from numba import cuda
 from cuda_kernels.core import to_bf16_bits

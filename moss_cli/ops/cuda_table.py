@@ -505,8 +505,13 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
 
 def table_rows(table, ids, out=None):
     """bf16 bits (uint16 [n, D]) of a host table's rows for ids (rounded to bf16 where the table is wider),
-    into `out` when given."""
+    into `out` when given. The table is a host array of bf16 or float values (a device array, or bf16 bits
+    as uint16, would be read wrong: refused)."""
+    if hasattr(table, "__cuda_array_interface__"):
+        raise TypeError("the token embedding table stays on the host (stages.HOST_TENSORS), not on the device")
     host = np.asarray(table)
+    if not (_is_bf16(host.dtype) or np.issubdtype(host.dtype, np.floating)):
+        raise TypeError(f"the token embedding table holds {host.dtype}, not bf16 or float values")
     if _is_bf16(host.dtype):
         return np.take(host.view(np.uint16), ids, axis=0, out=out)
     rows = to_bf16_bits(host[ids])
