@@ -2,7 +2,8 @@
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
 #   bash scripts/gpu_run.sh contract tests encoder delta bench   (GPU_TESTS=path: the tests step runs those only)
 #   NCU_GROUPS="flash chunked" NCU_KERNELS="flash|setup|walk" bash scripts/gpu_run.sh ncu   (scripts/gpu_ncu_kernels.py)
-# Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu),
+# Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu; after a
+# passing contract step in the same call, without the contract's own test),
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
@@ -35,7 +36,12 @@ for step in "$@"; do
   case $step in
     contract) $limit python3 -m cuda_kernels.contract --size real ${CONTRACT_ARGS:-} 2>&1 | tee "$OUT/contract.txt" ;;
     bench) $limit python3 scripts/gpu_bench_gemm.py 2>&1 | tee "$OUT/gemm.txt" ;;
-    tests) $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -rs -s 2>&1 | tee "$OUT/tests.txt" ;;
+    tests) skip=()     # the contract step passed in this call: its pytest twin would only run it again
+           if [ "${contract_ok:-0}" = 1 ]; then
+             skip=(--deselect tests/gpu/test_cuda_contract_gpu.py::test_contract_at_real_shapes)
+             echo "the contract passed as this call's contract step: its test is deselected" | tee "$OUT/tests.txt"
+           fi
+           $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} "${skip[@]}" -rs -s 2>&1 | tee -a "$OUT/tests.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     ncu) $limit ncu --clock-control none --set full -k regex:"${NCU_KERNELS:-gated_delta_rule|nvjet}" \
            -o "$OUT/kernels" python3 scripts/gpu_ncu_kernels.py ${NCU_GROUPS:-} > "$OUT/ncu_log.txt" 2>&1
@@ -74,6 +80,7 @@ for step in "$@"; do
   esac
   rc=$?
   [ $rc -ne 0 ] && status=$rc
+  [ "$step" = contract ] && [ $rc -eq 0 ] && contract_ok=1
   echo "== $step rc=$rc $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
 exit $status
