@@ -153,19 +153,25 @@ def split_width(k, weight=False):
     return (3 if weight else 2) * part(k)
 
 
+def product_rows(o):
+    """A weight's rows in the product: O rounded up to a multiple of 8, so each row of the float32 product is
+    a multiple of 32 bytes (with O = 3, the decoder's last conv, cuBLASLt takes its slow sm_75 kernels)."""
+    return -(-o // 8) * 8
+
+
 def weight_matrix(w):
-    """A conv weight [O, C, kh, kw] (or a linear's [O, C]) as the product's right operand: fp16 bits [O, 3 P]
-    = [w_hi | w_hi | w_lo], P = part(K), in column order k = tap C + c, zeros past K in each part; and its
-    peak |w| (the scale's source)."""
+    """A conv weight [O, C, kh, kw] (or a linear's [O, C]) as the product's right operand: fp16 bits
+    [product_rows(O), 3 P] = [w_hi | w_hi | w_lo], P = part(K), in column order k = tap C + c, zeros past K in
+    each part and in the rows past O; and its peak |w| (the scale's source)."""
     w = np.asarray(w, np.float32)
     o = w.shape[0]
     m = w.reshape(o, w.shape[1], -1).transpose(0, 2, 1).reshape(o, -1) if w.ndim == 4 else w
     peak = float(np.abs(m).max()) if m.size else 0.0
     hi, lo = host_split(m, host_scale(peak))
     k, p = m.shape[1], part(m.shape[1])
-    out = np.zeros((o, 3 * p), np.uint16)
+    out = np.zeros((product_rows(o), 3 * p), np.uint16)
     for i, bits in enumerate((hi, hi, lo)):
-        out[:, i * p:i * p + k] = bits
+        out[:o, i * p:i * p + k] = bits
     return out, np.float32(peak)
 
 
@@ -751,7 +757,7 @@ def _run_conv(inp, control):
     w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
     c, h, wd = x.shape
     h, wd = (2 * h, 2 * wd) if up else (h, wd)
-    o = wm.shape[0]
+    o = inp["w"].shape[0]
     out = cuda.device_array((o, h * wd), np.float32)
     peak = cuda.device_array(1, np.float32)
     norm = None
@@ -763,10 +769,10 @@ def _run_conv(inp, control):
     for r0 in range(0, h, rows):
         n = min(rows, h - r0) * wd
         cols = cuda.to_device(np.full((n, split_width(c * taps * taps)), 0xFFFF, np.uint16))   # NaN, as garbage
-        d = cuda.device_array((n, o), np.float32)
+        d = cuda.device_array((n, wm.shape[0]), np.float32)           # the weight's product rows
         im2col(x, peak, cols, r0, taps, up, norm, control=control)
         half_product(cols, w, d)
-        finish(d, peak, peak_w, bias, out, r0 * wd, channels=True)
+        finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
     return out.copy_to_host().reshape(o, h, wd)
 
 

@@ -72,14 +72,15 @@ class ConvCudaOps:
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, taps, width))
         cols = self.new((rows * width, conv.split_width(c * taps * taps)), np.uint16)
-        d = self.new((rows * width, o))
+        d = self.new((rows * width, weight.shape[0]))          # conv.product_rows(o) columns
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0) * width
             conv.im2col(src, peak, cols[:n], r0, taps, up, norm, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
-            conv.finish(d[:n], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
+            conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
+                        stream=self.stream)
         return out
 
     def group_norm(self, x, groups, w, b, eps):
@@ -125,19 +126,19 @@ class ConvCudaOps:
         conv.split_rows(rows, peak, out, weight, stream=self.stream)
         return out, peak
 
-    def _product(self, a, peak_a, w, peak_w, bias=None):
-        """float32 [M, N] = a . w^T (+ bias) from split operands."""
+    def _product(self, a, peak_a, w, peak_w, n, bias=None):
+        """float32 [M, n] = a . w^T (+ bias) from split operands (w's first n rows: a weight's are padded)."""
         d = self.new((a.shape[0], w.shape[0]))
         conv.half_product(a, w, d, stream=self.stream)
-        out = self.new(d.shape)
-        conv.finish(d, peak_a, peak_w, bias, out, stream=self.stream)
+        out = self.new((a.shape[0], n))
+        conv.finish(d[:, :n], peak_a, peak_w, bias, out, stream=self.stream)
         return out
 
     def split_linear(self, x, w, b=None):
         """x @ w.T (+ b) for float32 x [.., in] and a float32 weight [out, in], as split products."""
         a, peak = self._split(x)
         weight, peak_w = self._split_weight(w)
-        out = self._product(a, peak, weight, peak_w, b)
+        out = self._product(a, peak, weight, peak_w, w.shape[0], b)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
     def _drop_kv_split(self, cached):
@@ -156,8 +157,8 @@ class ConvCudaOps:
             weakref.finalize(k, self._drop_kv_split, cached)    # the splits go back to the pool with k
         (ks, peak_k), (vs, peak_v) = cached[2], cached[3]
         qs, peak_q = self._split(q)
-        scores = self._product(qs, peak_q, ks, peak_k)
+        scores = self._product(qs, peak_q, ks, peak_k, ks.shape[0])
         rope_attention.softmax(scores.reshape(1, *scores.shape), scale, False, stream=self.stream)
         ps, peak_p = self._split(scores)
-        out = self._product(ps, peak_p, vs, peak_v)
+        out = self._product(ps, peak_p, vs, peak_v, vs.shape[0])
         return out.reshape(q.shape[0], 1, out.shape[1])
