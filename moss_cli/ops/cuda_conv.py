@@ -63,6 +63,8 @@ class ConvCudaOps:
         o, c, taps, wide = w.shape
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
+        if self.convs == "cudnn":
+            return self._conv2d_cudnn(x, w, b, residual)
         up = isinstance(x, Upsampled)
         norm = x.norm if isinstance(x, Normalized) else None
         src = x.x if up or norm else x
@@ -81,6 +83,46 @@ class ConvCudaOps:
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
+        return out
+
+    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over the split image (experimental)
+
+    def _window_weight(self, w):
+        """(the windows' fp16 weights, peak [1]) of a float32 device conv weight (cudnn_conv.weight_windows), made once."""
+        from cuda_kernels import cudnn_conv
+        key = ("windows", id(w))
+        cached = self._params.get(key)
+        if cached is None or cached[0]() is not w:
+            bits, peak = cudnn_conv.weight_windows(w.copy_to_host())
+            cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
+                                          cuda.to_device(np.array([peak], np.float32)))
+        return cached[1], cached[2]
+
+    def _conv2d_cudnn(self, x, w, b, residual):
+        """conv2d as cuDNN convolutions over each row chunk's split image (cuda_kernels.cudnn_conv)."""
+        from cuda_kernels import cudnn_conv
+        o, c, taps, _ = w.shape
+        pad = taps // 2
+        up = isinstance(x, Upsampled)
+        norm = x.norm if isinstance(x, Normalized) else None
+        src = x.x if up or norm else x
+        _, h, width = x.shape
+        weights, peak_w = self._window_weight(w)
+        peak = self._peak(src, norm)
+        out = self.new((o, h, width))
+        p, o8 = conv.part(c), weights.shape[2]
+        rows = max(1, min(h, conv.COLUMN_BYTES // (width * 2 * p * 2) - 2 * pad))
+        image = self.new(((rows + 2 * pad) * width, 2 * p), np.uint16)
+        ys = [self.new((rows * width, o8)) for _ in range(2)]
+        flat = out.reshape(o, h * width)
+        res = None if residual is None else residual.reshape(o, h * width)
+        for r0 in range(0, h, rows):
+            n = min(rows, h - r0)
+            conv.im2col(src, peak, image[:(n + 2 * pad) * width], r0 - pad, 1, up, norm, stream=self.stream)
+            space = self.new((cudnn_conv.workspace_bytes(n, width, p, o8, taps),), np.uint8)
+            d = cudnn_conv.convolve(image[:(n + 2 * pad) * width], weights, [y[:n * width] for y in ys], n, width,
+                                    taps, space, stream=self.stream)
+            conv.finish(d[:, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
 
     def group_norm(self, x, groups, w, b, eps):

@@ -40,10 +40,13 @@ class DecoderOps(CudaOps):
 class CudaDecoder:
     """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
-    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way)."""
+    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way);
+    convs="cudnn" takes cuDNN's convolutions over split images in place of the columns (experimental:
+    cuda_kernels.cudnn_conv)."""
 
-    def __init__(self, tensors, config, graphs=True):
+    def __init__(self, tensors, config, graphs=True, convs="columns"):
         self.ops = DecoderOps()
+        self.ops.convs = convs
         self.decoder = Decoder(self.ops, tensors, config)
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED

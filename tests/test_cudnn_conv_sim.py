@@ -1,0 +1,167 @@
+"""The decoder's experimental cuDNN convolutions (cuda_kernels.cudnn_conv, conv2d with convs="cudnn") in the
+numba CUDA simulator, with a stand-in for cuDNN's Python graph API that carries out each graph on the host
+as its tensors are declared (dims, element strides, pre/post padding, the fused add) from the raw pointers
+it is given: the split images, the windows, their weights, the chunks' halo rows and the accumulation are
+held against the float64 convolution, within the split product's bound. Planted controls: a stand-in that
+drops the fused add (no accumulation), and windows that leave out hi.w_lo, fail the same gate."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+SCRIPT = r'''
+import ctypes, sys, types
+import numpy as np
+from numba import cuda
+from cuda_kernels import conv, cudnn_conv, sdpa
+from cuda_kernels.core import gate
+from moss_cli.ops import cuda_conv
+from moss_cli.ops.cuda_decoder import DecoderOps
+
+PLANT = sys.argv[1]
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+class T:
+    def __init__(self, dim=None, stride=None, kind=None, inputs=()):
+        self.dim, self.stride, self.kind, self.inputs = dim, stride, kind, inputs
+
+    def set_output(self, flag):
+        return self
+
+    def set_dim(self, dim):
+        self.dim = dim
+        return self
+
+    def set_stride(self, stride):
+        self.stride = stride
+        return self
+
+    def set_data_type(self, dtype):
+        self.dtype = dtype
+        return self
+
+
+def view(ptr, dtype, dim, stride):
+    """A numpy view of memory at ptr with these dims and element strides."""
+    item = np.dtype(dtype).itemsize
+    span = 1 + sum((d - 1) * s for d, s in zip(dim, stride))
+    flat = np.ctypeslib.as_array(((ctypes.c_uint16 if item == 2 else ctypes.c_float) * span).from_address(ptr))
+    flat = flat.view(dtype) if item == 2 else flat
+    return np.lib.stride_tricks.as_strided(flat, dim, [s * item for s in stride])
+
+
+class Graph:
+    def __init__(self, **kwargs):
+        pass
+
+    def tensor(self, name, dim, stride, data_type):
+        return T(dim, stride, "input")
+
+    def conv_fprop(self, image, weight, pre_padding, post_padding, stride, dilation, compute_data_type, name):
+        self.conv = (image, weight, pre_padding, post_padding)
+        return T(kind="conv")
+
+    def add(self, a, b, compute_data_type, name):
+        self.z = b
+        return T(kind="add", inputs=(a, b))
+
+    def __getattr__(self, name):
+        if name in ("validate", "build_operation_graph", "create_execution_plans", "check_support", "build_plans"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def get_workspace_size(self):
+        return 0
+
+    def execute(self, pack, workspace, handle=None):
+        image, weight, pre, post = self.conv
+        x = view(pack[image], np.float16, image.dim, image.stride).astype(np.float64)[0]      # [C, H, W]
+        w = view(pack[weight], np.float16, weight.dim, weight.stride).astype(np.float64)      # [O, C, R, S]
+        x = np.pad(x, ((0, 0), (pre[0], post[0]), (pre[1], post[1])))
+        o, _, r, s = w.shape
+        h, wd = x.shape[1] - r + 1, x.shape[2] - s + 1
+        y = np.zeros((o, h, wd))
+        for i in range(r):
+            for j in range(s):
+                y += np.einsum("oc,chw->ohw", w[:, :, i, j], x[:, i:i + h, j:j + wd])
+        out = [t for t in pack if t.kind in ("conv", "add")][0]
+        if out.kind == "add" and PLANT != "no add":
+            y += view(pack[self.z], np.float32, self.z.dim, self.z.stride)[0]
+        view(pack[out], np.float32, out.dim, out.stride)[0][...] = y.astype(np.float32)
+
+
+fake = types.ModuleType("cudnn")
+fake.pygraph = Graph
+fake.data_type = types.SimpleNamespace(HALF="half", FLOAT="float")
+fake.heur_mode = types.SimpleNamespace(A="a", FALLBACK="fallback")
+fake.create_handle = lambda: "handle"
+fake.set_stream = lambda handle, stream: None
+fake.backend_version = lambda: 0
+fake.__version__ = "stand-in"
+sys.modules["cudnn"] = fake
+sdpa._state.clear()
+cudnn_conv.pointer = address
+if PLANT == "no hi.w_lo":
+    whole = cudnn_conv.windows
+    cudnn_conv.windows = lambda p: whole(p)[:2 * (p // cudnn_conv.WINDOW)]
+conv.COLUMN_BYTES = 3 * 4 * 2 * 128 * 2      # a few rows a chunk: halo rows between chunks
+
+rng = np.random.default_rng(3)
+ops = DecoderOps()
+ops.convs = "cudnn"
+worst = 0.0
+for c, o, h, w, taps, kind in ((5, 3, 7, 4, 3, "plain"), (5, 3, 4, 3, 3, "up"), (8, 6, 5, 4, 3, "norm"),
+                               (130, 9, 3, 4, 3, "plain"), (6, 3, 5, 4, 1, "plain")):
+    x = (rng.standard_normal((c, h, w)) * 3).astype(np.float32)
+    wt = (rng.standard_normal((o, c, taps, taps)) / np.sqrt(c * taps * taps)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    xd, wd, bd = cuda.to_device(x), cuda.to_device(wt), cuda.to_device(b)
+    src, ref_in, up = xd, x, False
+    if kind == "up":
+        src, up = cuda_conv.Upsampled(xd), True
+    elif kind == "norm":
+        gw, gb = (1 + 0.3 * rng.standard_normal(c)).astype(np.float32), (0.3 * rng.standard_normal(c)).astype(np.float32)
+        src = ops.group_norm_silu(xd, 4, cuda.to_device(gw), cuda.to_device(gb), 1e-6)
+        ref_in = conv.group_norm_reference(x, gw, gb, 4, 1e-6, True)
+    got = ops.host(ops.conv2d(src, wd, bd, padding=taps // 2))
+    ref = conv.conv2d_reference(ref_in, wt, b, taps // 2, up)
+    terms = conv.conv2d_reference(np.abs(ref_in), np.abs(wt), np.abs(b), taps // 2, up)
+    bound = conv.product_bound(terms, c * taps * taps, float(np.abs(ref_in).max() * np.abs(wt).max()))
+    if kind == "norm":
+        bound = bound + conv.conv2d_reference(conv.group_norm_bound(x, gw, gb, 4, True), np.abs(wt), None, taps // 2)
+    ok, ratio = gate(got, ref, bound)
+    worst = max(worst, ratio)
+    print(kind, c, o, h, w, taps, "pass" if ok else "FAIL", f"{ratio:.3g}")
+print("worst", worst)
+'''
+
+
+def _run(plant):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", SCRIPT, plant], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_cudnn_convolutions_match_float64_through_a_stand_in():
+    out = _run("none")
+    assert "FAIL" not in out and out.count("pass") == 5, out
+
+
+@pytest.mark.parametrize("plant, failing", [("no add", 5), ("no hi.w_lo", 4)])
+def test_planted_bugs_fail_the_same_gate(plant, failing):
+    """hi.w_lo is about 2^-12 of the product: the 130-channel case's bound (float32 sums over 1170 terms, at
+    their worst) is wider than that, so that plant fails the four narrow cases."""
+    out = _run(plant)
+    assert out.count("FAIL") == failing, out
