@@ -17,7 +17,7 @@ import numpy as np
 
 from .conv import PART, host_scale, host_split, part, product_rows
 from .gemm import pointer, stream_handle
-from .sdpa import _state, available
+from .sdpa import _state, available, build
 
 WINDOW = PART           # channels of one window: K = 9 * 128 = 1152
 
@@ -71,13 +71,8 @@ class _Plan:
             y = g.add(a=y, b=self.z, compute_data_type=f32, name="sum")
         y.set_output(True).set_dim(out[0]).set_stride(out[1]).set_data_type(f32)
         self.y = y
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
         self.graph = g
-        self.workspace_bytes = max(1, g.get_workspace_size())
+        self.workspace_bytes = build(g)
 
 
 def _plan(rows, width, p, o8, taps, add):

@@ -28,6 +28,18 @@ def available():
     return _state["ok"]
 
 
+def build(graph):
+    """Validate a cuDNN graph and build its plans (the heuristic's, with the fallback engines); returns its
+    workspace bytes (at least 1)."""
+    import cudnn
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return max(1, graph.get_workspace_size())
+
+
 def _strides(a):
     item = a.dtype.itemsize
     return tuple(s // item for s in a.strides)
@@ -54,13 +66,8 @@ class _Plan:
         o.set_output(True).set_dim([1, h, s, d]).set_stride([s * st[0], st[1], st[0], st[2]]) \
             .set_data_type(cudnn.data_type.BFLOAT16)
         self.o = o
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
         self.graph = g
-        self.workspace = cuda.device_array(max(1, g.get_workspace_size()), np.uint8)
+        self.workspace = cuda.device_array(build(g), np.uint8)
 
 
 def supports(q, k, v, out, scale):

@@ -17,27 +17,21 @@ form cuDNN refuses is reported with its error. Writes JSON (default probe_cudnn_
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from cuda_kernels.sdpa import build  # noqa: E402
+from torch_timing import median_ms  # noqa: E402
+
 SHAPES = ((96, 96, 1024), (192, 192, 512), (384, 384, 256), (384, 384, 128), (192, 96, 1024))
 SLICE = 224            # channels a slice: K = 9 * 224 = 2016 <= 2048, the split product's slice
-
-
-def _timed(run, reps=10):
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 class Conv:
@@ -57,13 +51,8 @@ class Conv:
             y = g.add(a=y, b=self.z, compute_data_type=f32, name="sum")
         y.set_output(True).set_dim([1, o, h, h]).set_stride([h * h * o, 1, h * o, o]).set_data_type(f32)
         self.y = y
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
         self.graph, self.handle = g, handle
-        self.workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device="cuda")
+        self.workspace = torch.empty(build(g), dtype=torch.uint8, device="cuda")
 
     def __call__(self, x_ptr, w_ptr, y_ptr, z_ptr=None):
         pack = {self.x: x_ptr, self.w: w_ptr, self.y: y_ptr}
@@ -100,7 +89,7 @@ def probe(handle, c, o, h):
     y = torch.empty(1, o, h, h, device="cuda").contiguous(memory_format=torch.channels_last)
     try:
         one = Conv(handle, c3, o, h, [h * h * c3, 1, h * c3, c3], add=False)
-        ms = _timed(lambda: one(X.data_ptr(), W.data_ptr(), y.data_ptr()))
+        ms = median_ms(lambda: one(X.data_ptr(), W.data_ptr(), y.data_ptr()), 10)
         row["one"] = score(y, ms)
     except Exception as e:
         row["one"] = {"error": f"{type(e).__name__}: {e}"[:400]}
@@ -123,17 +112,17 @@ def probe(handle, c, o, h):
                     xp = xs[i].data_ptr() if form == "sliced" else X.data_ptr() + 2 * a
                     convs[(a, b)](xp, ws[i].data_ptr(), ys[i % 2].data_ptr(), z.data_ptr())
                     z = ys[i % 2]
-            ms = _timed(run)
+            ms = median_ms(run, 10)
             row[form] = {**score(ys[(len(bounds) - 1) % 2], ms), "slices": len(bounds)}
         except Exception as e:
             row[form] = {"error": f"{type(e).__name__}: {e}"[:400]}
 
     xf, wf = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
     torch.backends.cudnn.allow_tf32 = True
-    row["torch_tf32_ms"] = _timed(lambda: torch.nn.functional.conv2d(xf, wf, padding=1))
+    row["torch_tf32_ms"] = median_ms(lambda: torch.nn.functional.conv2d(xf, wf, padding=1), 10)
     torch.backends.cudnn.allow_tf32 = False
-    row["torch_fp32_ms"] = _timed(lambda: torch.nn.functional.conv2d(xf, wf, padding=1))
-    row["torch_fp16_3c_ms"] = _timed(lambda: torch.nn.functional.conv2d(X, W, padding=1))
+    row["torch_fp32_ms"] = median_ms(lambda: torch.nn.functional.conv2d(xf, wf, padding=1), 10)
+    row["torch_fp16_3c_ms"] = median_ms(lambda: torch.nn.functional.conv2d(X, W, padding=1), 10)
     return row
 
 

@@ -42,15 +42,22 @@ class Normalized:
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    def _split_weight(self, w):
-        """(fp16 bits [O, split_width(K, True)], peak [1]) of a float32 device weight (conv [O, C, k, k] or linear [O, C]), made once."""
-        key = ("split", id(w))
+    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images (experimental)
+
+    def _weight_bits(self, w, make):
+        """(make's fp16 bits, peak [1]) of a float32 device weight, on the device, made once per weight."""
+        key = (make.__name__, id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            matrix, peak = conv.weight_matrix(w.copy_to_host())
-            cached = self._params[key] = (weakref.ref(w), cuda.to_device(matrix),
+            bits, peak = make(w.copy_to_host())
+            cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
+
+    def _split_weight(self, w):
+        """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
+        [O, C, k, k] or linear [O, C]): conv.weight_matrix."""
+        return self._weight_bits(w, conv.weight_matrix)
 
     def _peak(self, x, norm=None):
         peak = self.new((1,))
@@ -85,19 +92,6 @@ class ConvCudaOps:
                         stream=self.stream)
         return out
 
-    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over the split image (experimental)
-
-    def _window_weight(self, w):
-        """(the windows' fp16 weights, peak [1]) of a float32 device conv weight (cudnn_conv.weight_windows), made once."""
-        from cuda_kernels import cudnn_conv
-        key = ("windows", id(w))
-        cached = self._params.get(key)
-        if cached is None or cached[0]() is not w:
-            bits, peak = cudnn_conv.weight_windows(w.copy_to_host())
-            cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
-                                          cuda.to_device(np.array([peak], np.float32)))
-        return cached[1], cached[2]
-
     def _conv2d_cudnn(self, x, w, b, residual):
         """conv2d as cuDNN convolutions over each row chunk's split image (cuda_kernels.cudnn_conv)."""
         from cuda_kernels import cudnn_conv
@@ -107,7 +101,7 @@ class ConvCudaOps:
         norm = x.norm if isinstance(x, Normalized) else None
         src = x.x if up or norm else x
         _, h, width = x.shape
-        weights, peak_w = self._window_weight(w)
+        weights, peak_w = self._weight_bits(w, cudnn_conv.weight_windows)
         peak = self._peak(src, norm)
         out = self.new((o, h, width))
         p, o8 = conv.part(c), weights.shape[2]
