@@ -13,7 +13,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit
 
@@ -259,20 +259,19 @@ def _make_im2col(control, taps, up, norm=False):
     words = 32 * taps * stride
 
     @jit(launch_bounds=(32 * ROWS, 3))      # three blocks an SM (at most 85 registers; no spills)
-    def im2col(x, peak, cols, r0, stats, gw, gb):
-        """cols[p, part P + t C + c] (parts hi | lo of P = part(taps^2 C) columns, zeros past taps^2 C) for
-        output pixel p of the chunk, tap t, channel c."""
+    def im2col(x, peak, flat, n, p, r0, stats, gw, gb):
+        """flat = cols [n, 2 P] in row order: cols[q, part P + t C + c] (parts hi | lo, P = part(taps^2 C),
+        zeros past taps^2 C) for output pixel q of the chunk, tap t, channel c."""
         sh = cuda.shared.array(words, uint32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
         h, w = (2 * x.shape[1], 2 * x.shape[2]) if up else (x.shape[1], x.shape[2])
         k = taps * taps * c_in
-        p = cols.shape[1] // 2
         slab = cuda.blockDim.x
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c0 = cuda.blockIdx.y * slab
         per_row = (w + RUN - 1) // RUN
-        for run in range(cuda.blockIdx.x, (cols.shape[0] // w) * per_row, cuda.gridDim.x):
+        for run in range(cuda.blockIdx.x, (n // w) * per_row, cuda.gridDim.x):
             y, x0 = r0 + run // per_row, (run % per_row) * RUN
             first = (y - r0) * w + x0                    # the run's first column row
             cuda.syncthreads()                           # the previous run's reads of sh are done
@@ -294,20 +293,25 @@ def _make_im2col(control, taps, up, norm=False):
             c = c0 + tx
             if c < c_in:
                 pixels = min(RUN, w - x0)
+                # unsigned indices (no negative-index wraparound) into the flat columns, one row offset a pixel
+                width2, step = uint64(2 * p), uint64(cuda.blockDim.y)
                 for t in range(k // c_in):               # the taps (k // c_in: a loop the compiler keeps)
                     dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
-                    base, j = (tx * taps + dy) * stride + dx, t * c_in + c
-                    for px in range(ty, pixels, cuda.blockDim.y):
-                        word = sh[base + px]
-                        cols[first + px, j] = uint16(word & uint32(0xFFFF))
-                        cols[first + px, p + j] = uint16(word >> uint32(16))
+                    at = uint64((tx * taps + dy) * stride + dx + ty)
+                    to = uint64(first + ty) * width2 + uint64(t * c_in + c)
+                    for _ in range(ty, pixels, cuda.blockDim.y):
+                        word = sh[at]
+                        flat[to] = uint16(word & uint32(0xFFFF))
+                        flat[to + uint64(p)] = uint16(word >> uint32(16))
+                        at += step
+                        to += step * width2
             if cuda.blockIdx.y == 0 and p > k:           # the parts' zero columns past K
                 tid = ty * slab + tx
                 for i in range(tid, RUN * (p - k), slab * cuda.blockDim.y):
                     px, j = i // (p - k), k + i % (p - k)
                     if x0 + px < w:
-                        cols[first + px, j] = uint16(0)
-                        cols[first + px, p + j] = uint16(0)
+                        flat[(first + px) * 2 * p + j] = uint16(0)
+                        flat[(first + px) * 2 * p + p + j] = uint16(0)
     return im2col
 
 
@@ -485,7 +489,8 @@ def im2col(x, peak, cols, r0, taps, up=False, norm=None, stream=0, control=False
     tx = min(32, x.shape[0])
     grid = (max(1, min(runs, 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
     stats, w, b = _no_norm() if norm is None else norm
-    _make_im2col(control, taps, up, norm is not None)[grid, (tx, ROWS), stream](x, peak, cols, int(r0), stats, w, b)
+    _make_im2col(control, taps, up, norm is not None)[grid, (tx, ROWS), stream](
+        x, peak, cols.reshape(cols.size), cols.shape[0], cols.shape[1] // 2, int(r0), stats, w, b)
 
 
 def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):
