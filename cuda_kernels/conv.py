@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit
+from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit, ptx_op
 
 R_16F, R_32F = 2, 0           # cudaDataType
 TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
@@ -75,31 +75,14 @@ def from_half_stated(h):
     return as_float32(((h & uint32(0x8000)) << uint32(16)) | ((e + uint32(112)) << uint32(23)) | (m << uint32(13)))
 
 
-def _cvt_ptx(text, result, operand, constraints, doc):
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-    lowered = {types.float32: ir.FloatType(), types.uint16: ir.IntType(16)}
-
-    @intrinsic
-    def op(typingctx, x):
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(lowered[result], [lowered[operand]]), text, constraints,
-                               side_effect=False)
-            return builder.call(asm, args)
-        return result(operand), codegen
-    op.__doc__ = doc
-    return op
-
-
 if SIMULATED:            # the simulator cannot run inline PTX: the statements above
     to_half, from_half = to_half_stated, from_half_stated
 else:
     from numba import types as _types
-    _to_half_ptx = _cvt_ptx("cvt.rn.f16.f32 $0, $1;", _types.uint16, _types.float32, "=h,f",
-                            "float32 -> fp16 bits, round to nearest even: one conversion")
-    _from_half_ptx = _cvt_ptx("cvt.f32.f16 $0, $1;", _types.float32, _types.uint16, "=f,h",
-                              "fp16 bits -> float32, exact: one conversion")
+    _to_half_ptx = ptx_op("cvt.rn.f16.f32 $0, $1;", _types.uint16, _types.float32, "=h,f",
+                          "float32 -> fp16 bits, round to nearest even: one conversion")
+    _from_half_ptx = ptx_op("cvt.f32.f16 $0, $1;", _types.float32, _types.uint16, "=f,h",
+                            "fp16 bits -> float32, exact: one conversion")
 
     @jit(device=True, forceinline=True)
     def to_half(x):

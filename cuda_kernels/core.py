@@ -82,6 +82,26 @@ def _cached(dispatcher):
     return dispatcher
 
 
+def ptx_op(text, result, operand, constraints, doc):
+    """A device intrinsic of one inline-PTX instruction on one operand (numba types float32 or uint16, the
+    inline-asm constraints in LLVM's spelling, e.g. "=f,f"). The simulator cannot run inline PTX: callers keep
+    a statement of the instruction for it."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+    lowered = {types.float32: ir.FloatType(), types.uint16: ir.IntType(16)}
+
+    @intrinsic
+    def op(typingctx, x):
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(lowered[result], [lowered[operand]]), text, constraints,
+                               side_effect=False)
+            return builder.call(asm, args)
+        return result(operand), codegen
+    op.__doc__ = doc
+    return op
+
+
 def jit(*args, **kwargs):
     """numba.cuda.jit that drops the keyword arguments the simulator does not accept, and keeps kernels'
     compiled code on disk (_cache_dir)."""

@@ -13,7 +13,7 @@ from numba import cuda, float32, uint16, uint32, uint64
 
 from .elementwise import _words
 from .core import (BLOCK, EPS16, EPS32, SHARED, SIMULATED, Case, DeviceView, as_float32, bf16_bound, float32_bits, from_bf16_bits, gamma, jit, narrow,
-                   row_team, team_row, team_sum, to_bf16_bits, widen)
+                   ptx_op, row_team, team_row, team_sum, to_bf16_bits, widen)
 
 
 def _row_geometry(rows, d):
@@ -311,18 +311,8 @@ LOG2E = 1.4426950408889634
 
 
 def _unary_ptx(text, doc):
-    from llvmlite import ir
     from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def op(typingctx, x):
-        def codegen(context, builder, signature, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), text, "=f,f", side_effect=False)
-            return builder.call(asm, args)
-        return types.float32(types.float32), codegen
-    op.__doc__ = doc
-    return op
+    return ptx_op(text, types.float32, types.float32, "=f,f", doc)
 
 
 if SIMULATED:

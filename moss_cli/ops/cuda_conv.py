@@ -39,6 +39,14 @@ class Normalized:
         self.dtype = x.dtype
 
 
+def _source(x):
+    """(the array a conv reads, whether through the 2x upsampling, the (stats, w, b) of a group norm + silu made
+    on each read, or None) of a conv's input: an array, an Upsampled or a Normalized."""
+    up = isinstance(x, Upsampled)
+    norm = x.norm if isinstance(x, Normalized) else None
+    return (x.x if up or norm else x), up, norm
+
+
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
@@ -72,9 +80,7 @@ class ConvCudaOps:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
         if self.convs == "cudnn":
             return self._conv2d_cudnn(x, w, b, residual)
-        up = isinstance(x, Upsampled)
-        norm = x.norm if isinstance(x, Normalized) else None
-        src = x.x if up or norm else x
+        src, up, norm = _source(x)
         _, h, width = x.shape
         weight, peak_w = self._split_weight(w)
         peak = self._peak(src, norm)
@@ -97,9 +103,7 @@ class ConvCudaOps:
         from cuda_kernels import cudnn_conv
         o, c, taps, _ = w.shape
         pad = taps // 2
-        up = isinstance(x, Upsampled)
-        norm = x.norm if isinstance(x, Normalized) else None
-        src = x.x if up or norm else x
+        src, up, norm = _source(x)
         _, h, width = x.shape
         weights, peak_w = self._weight_bits(w, cudnn_conv.weight_windows)
         peak = self._peak(src, norm)

@@ -510,10 +510,10 @@ def table_rows(table, ids, out=None):
     if hasattr(table, "__cuda_array_interface__"):
         raise TypeError("the token embedding table stays on the host (stages.HOST_TENSORS), not on the device")
     host = np.asarray(table)
-    if not (_is_bf16(host.dtype) or np.issubdtype(host.dtype, np.floating)):
-        raise TypeError(f"the token embedding table holds {host.dtype}, not bf16 or float values")
     if _is_bf16(host.dtype):
         return np.take(host.view(np.uint16), ids, axis=0, out=out)
+    if not np.issubdtype(host.dtype, np.floating):
+        raise TypeError(f"the token embedding table holds {host.dtype}, not bf16 or float values")
     rows = to_bf16_bits(host[ids])
     if out is None:
         return rows
