@@ -184,23 +184,34 @@ def _make_zero():
 
 def _make_absmax(control, norm=False):
     @jit
-    def absmax(x, peak, stats, w, b, plane):
-        """peak[0] = max(peak[0], max |x|) over flat x (peak zeroed before); norm: of silu(group_norm(x)) for
-        x of channels of `plane` values each, the group statistics in stats (see _gn_silu)."""
+    def absmax(x, peak, stats, w, b):
+        """peak[0] = max(peak[0], max |x|) over x [rows, plane] (peak zeroed before): blocks of blockIdx.y's rows,
+        blockIdx.x's share of each row; norm: of silu(group_norm(x)) for x [C, H W], the group statistics in
+        stats (_gn_silu's formula with the channel's constants read once)."""
         sh = cuda.shared.array(BLOCK, float32)
         tid = cuda.threadIdx.x
+        plane = int32(x.shape[1])
+        first = int32(cuda.blockIdx.x * BLOCK + tid)
+        step = int32(cuda.gridDim.x * BLOCK)
         m = float32(0.0)
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            v = _gn_silu(x[i], i // plane, stats, w, b) if norm else x[i]
-            m = max(m, v if control else abs(v))
+        for r in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
+            if norm:
+                g = r // (w.shape[0] // stats.shape[0])
+                mean, k, bias = stats[g, 0], w[r] * stats[g, 1], b[r]
+            for j in range(first, plane, step):
+                v = x[r, j]
+                if norm:
+                    y = (v - mean) * k + bias
+                    v = y / (float32(1.0) + math.exp(min(-y, float32(80.0))))
+                m = max(m, v if control else abs(v))
         sh[tid] = m
         cuda.syncthreads()
-        step = BLOCK // 2
-        while step > 0:
-            if tid < step:
-                sh[tid] = max(sh[tid], sh[tid + step])
+        half = BLOCK // 2
+        while half > 0:
+            if tid < half:
+                sh[tid] = max(sh[tid], sh[tid + half])
             cuda.syncthreads()
-            step //= 2
+            half //= 2
         if tid == 0:
             cuda.atomic.max(peak, 0, sh[0])
     return absmax
@@ -443,8 +454,11 @@ def absmax(x, peak, norm=None, stream=0, control=False):
     max |silu(group_norm(x))| over x [C, H, W] instead."""
     _zero[1, 1, stream](peak)
     stats, w, b = _no_norm() if norm is None else norm
-    _absmax[control, norm is not None][_blocks(x.size), BLOCK, stream](x.reshape(x.size), peak, stats, w, b,
-                                                                     x.size // x.shape[0])
+    rows = x.shape[0]
+    plane = x.size // rows
+    across = max(1, min(-(-plane // (4 * BLOCK)), -(-4096 // rows)))     # ~4096 blocks, >= 4 values a thread
+    grid = (1, 2) if SIMULATED else (across, min(rows, 65535))
+    _absmax[control, norm is not None][grid, BLOCK, stream](x.reshape(rows, plane), peak, stats, w, b)
 
 
 def _no_norm():

@@ -10,8 +10,7 @@
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
-# flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py), probe (whether
-# cuDNN runs the decoder's split convolutions fp16 -> float32, and how fast: scripts/probe_cudnn_conv.py). The benchmark
+# flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
 #   ENCODER_ARGS=--quick bash scripts/gpu_run.sh dit decoder load picture encoder baseline tables
 # Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
@@ -77,7 +76,6 @@ for step in "$@"; do
               | tee -a "$OUT/picture.txt"
           fi ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
-    probe) $limit python3 scripts/probe_cudnn_conv.py --out "$OUT/probe_cudnn_conv.json" 2>&1 | tee "$OUT/probe.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   rc=$?

@@ -3,7 +3,8 @@ numba CUDA simulator, with a stand-in for cuDNN's Python graph API that carries 
 as its tensors are declared (dims, element strides, pre/post padding, the fused add) from the raw pointers
 it is given: the split images, the windows, their weights, the chunks' halo rows and the accumulation are
 held against the float64 convolution, within the split product's bound. Planted controls: a stand-in that
-drops the fused add (no accumulation), and windows that leave out hi.w_lo, fail the same gate."""
+drops the fused add (no accumulation), and windows that leave out hi.w_lo, fail the same gate. plan_convs' windows
+are checked on their own: they cover each split part's channels once, within the K limit."""
 
 import os
 import subprocess
@@ -112,9 +113,10 @@ sys.modules["cudnn"] = fake
 sdpa._state.clear()
 cudnn_conv.pointer = address
 if PLANT == "no hi.w_lo":
-    whole = cudnn_conv.windows
-    cudnn_conv.windows = lambda p: whole(p)[:2 * (p // cudnn_conv.WINDOW)]
-conv.COLUMN_BYTES = 3 * 4 * 2 * 128 * 2      # a few rows a chunk: halo rows between chunks
+    whole = cudnn_conv.plan_convs
+    cudnn_conv.plan_convs = lambda c, taps: [v for v in whole(c, taps) if v[2] == 0]
+conv.COLUMN_BYTES = 3 * 4 * 2 * 256 * 2      # a few rows a chunk: halo rows between chunks
+conv.SLICE_K = 9 * 64                        # windows of 64 channels: the 130-channel conv takes three
 
 rng = np.random.default_rng(3)
 ops = DecoderOps()
@@ -144,6 +146,22 @@ for c, o, h, w, taps, kind in ((5, 3, 7, 4, 3, "plain"), (5, 3, 4, 3, 3, "up"), 
     print(kind, c, o, h, w, taps, "pass" if ok else "FAIL", f"{ratio:.3g}")
 print("worst", worst)
 '''
+
+
+def test_windows_cover_each_part_once_within_the_k_limit():
+    from cuda_kernels import conv, cudnn_conv
+    for c in (3, 32, 96, 130, 192, 384, 512):
+        for taps in (1, 3):
+            p, c8 = conv.part(c), -(-c // 8) * 8
+            plan = cudnn_conv.plan_convs(c, taps)
+            assert all(taps * taps * n <= conv.SLICE_K and n % 8 == 0 and first % 8 == 0 for first, n, _ in plan)
+            hi_w = [j for first, n, which in plan if which == 0 for j in range(first, first + n) if j < c or p <= j < p + c]
+            lo_w = [j for first, n, which in plan if which == 1 for j in range(first, first + n) if j < c]
+            assert sorted(hi_w) == list(range(c)) + list(range(p, p + c)), (c, taps, plan)
+            assert sorted(lo_w) == list(range(c)), (c, taps, plan)
+            assert all(first + n <= 2 * p and (which == 0 or first + n <= p) for first, n, which in plan)
+    assert len(cudnn_conv.plan_convs(96, 3)) == 2            # [hi | 0 | lo] in one window, then hi . w_lo
+    assert len(cudnn_conv.plan_convs(384, 3)) == 6
 
 
 def _run(plant):

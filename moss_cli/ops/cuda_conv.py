@@ -50,7 +50,7 @@ def _source(x):
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images (experimental)
+    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images
 
     def _weight_bits(self, w, make):
         """(make's fp16 bits, peak [1]) of a float32 device weight, on the device, made once per weight."""
@@ -79,7 +79,15 @@ class ConvCudaOps:
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
         if self.convs == "cudnn":
-            return self._conv2d_cudnn(x, w, b, residual)
+            key = (tuple(w.shape), tuple(x.shape), type(x).__name__)
+            refused = self.__dict__.setdefault("cudnn_refused", {})
+            if key not in refused:
+                try:
+                    return self._conv2d_cudnn(x, w, b, residual)
+                except Exception as e:      # cuDNN builds no plan for this geometry: the columns take it
+                    if "cudnn" not in type(e).__module__.lower() and "cudnn" not in str(e).lower():
+                        raise
+                    refused[key] = f"{type(e).__name__}: {str(e)[:200]}"
         src, up, norm = _source(x)
         _, h, width = x.shape
         weight, peak_w = self._split_weight(w)
@@ -108,7 +116,7 @@ class ConvCudaOps:
         weights, peak_w = self._weight_bits(w, cudnn_conv.weight_windows)
         peak = self._peak(src, norm)
         out = self.new((o, h, width))
-        p, o8 = conv.part(c), weights.shape[2]
+        p, o8 = conv.part(c), conv.product_rows(o)
         rows = max(1, min(h, conv.COLUMN_BYTES // (width * 2 * p * 2) - 2 * pad))
         image = self.new(((rows + 2 * pad) * width, 2 * p), np.uint16)
         ys = [self.new((rows * width, o8)) for _ in range(2)]
@@ -117,9 +125,9 @@ class ConvCudaOps:
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
             conv.im2col(src, peak, image[:(n + 2 * pad) * width], r0 - pad, 1, up, norm, stream=self.stream)
-            space = self.new((cudnn_conv.workspace_bytes(n, width, p, o8, taps),), np.uint8)
+            space = self.new((cudnn_conv.workspace_bytes(n, width, c, o8, taps),), np.uint8)
             d = cudnn_conv.convolve(image[:(n + 2 * pad) * width], weights, [y[:n * width] for y in ys], n, width,
-                                    taps, space, stream=self.stream)
+                                    c, taps, space, stream=self.stream)
             conv.finish(d[:, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
 
