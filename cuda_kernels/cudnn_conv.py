@@ -6,8 +6,8 @@ The split image of a conv's input is what conv.im2col writes for one tap: [pixel
 hi.w_hi + lo.w_hi + hi.w_lo is a sum of convolutions over channel windows of that image (`plan_convs`), each
 of K = taps^2 channels <= conv.SLICE_K like the split product's slices (the tensor cores' float32 accumulator
 drifts with K), each added to the last in float32 by a pointwise add fused after the convolution (Y = conv + Z,
-two buffers in turn). Where hi and lo fit in one window together (taps^2 (P + C8) <= SLICE_K, the decoder's
-96-channel convs at full size) one convolution takes both, [hi | 0 | lo] with [w_hi | 0 | w_hi]. Rows come in
+two buffers in turn). Where hi and lo fit in one window together (the decoder's 96-channel convs at full size,
+the 1x1 convs) one convolution takes both, [hi | 0 | lo | 0] with [w_hi | 0 | w_hi | 0]. Rows come in
 chunks: a chunk's image holds its rows and a zero or neighbour row above and below, the convolution pads only
 left and right.
 """
@@ -15,27 +15,22 @@ left and right.
 import numpy as np
 
 from . import conv
-from .conv import host_scale, host_split, part, product_rows
+from .conv import PART, host_scale, host_split, part, product_rows
 from .gemm import pointer, stream_handle
 from .sdpa import _state, available, build
 
 
-def _eights(n):
-    return -(-n // 8) * 8
-
-
 def plan_convs(c, taps):
     """The convolutions of a split product of C input channels: (first image channel, channels, weight part)
-    each, part 0 w_hi and 1 w_lo; image channel j of a window meets the weights' channel j mod P."""
-    p, c8 = part(c), _eights(c)
-    limit = max(8, conv.SLICE_K // (taps * taps))        # channels of one window
-    if p + c8 <= limit:                                   # [hi | 0 | lo] . [w_hi | 0 | w_hi], then hi . w_lo
-        return [(0, p + c8, 0), (0, c8, 1)]
-    n = -(-c8 // (limit // 8 * 8))                        # equal windows of a multiple of 8 channels
-    size = _eights(-(-c8 // n))
-    pieces = [(s, min(size, c8 - s)) for s in range(0, c8, size)]
-    return ([(s, k, 0) for s, k in pieces] + [(p + s, k, 0) for s, k in pieces]
-            + [(s, k, 1) for s, k in pieces])
+    each, part 0 w_hi and 1 w_lo; image channel j of a window meets the weights' channel j mod P. Windows are
+    PART channels at multiples of PART, or the whole pixel [hi | 0 | lo | 0] (2 P, packed) with [w_hi | 0 |
+    w_hi | 0] where its nonzero columns, taps^2 2 C, are within SLICE_K (zero columns add nothing to the
+    accumulator)."""
+    p = part(c)
+    if (p == PART or taps == 1) and taps * taps * 2 * c <= conv.SLICE_K:
+        return [(0, 2 * p, 0), (0, p, 1)]
+    hi = [(s, PART, 0) for s in range(0, p, PART)]
+    return hi + [(p + s, n, 0) for s, n, _ in hi] + [(s, n, 1) for s, n, _ in hi]
 
 
 def weight_windows(w):
@@ -58,7 +53,7 @@ def weight_windows(w):
 class _Plan:
     """One built graph: Y [1, O8, rows, W] float32 NHWC = conv(X window [1, n, rows + 2 pad, W]) (+ Z)."""
 
-    def __init__(self, rows, width, p, o8, taps, n, add):
+    def __init__(self, rows, width, p, o8, taps, n, add, first=None):
         import cudnn
         f16, f32 = cudnn.data_type.HALF, cudnn.data_type.FLOAT
         pad = taps // 2
@@ -72,7 +67,10 @@ class _Plan:
         y = g.conv_fprop(image=self.x, weight=self.w, pre_padding=[0, pad], post_padding=[0, pad], stride=[1, 1],
                          dilation=[1, 1], compute_data_type=f32, name="conv")
         out = [1, o8, rows, width], [rows * width * o8, 1, width * o8, o8]
-        self.z = None
+        self.z = self.one = None
+        if first == "scale":                 # the first convolution as conv * 1: a pointwise-fused engine
+            self.one = g.tensor(name="one", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+            y = g.mul(a=y, b=self.one, compute_data_type=f32, name="once")
         if add:
             self.z = g.tensor(name="Z", dim=out[0], stride=out[1], data_type=f32)
             y = g.add(a=y, b=self.z, compute_data_type=f32, name="sum")
@@ -82,15 +80,30 @@ class _Plan:
         self.workspace_bytes = build(g)
 
 
+FIRST = "plain"       # the first convolution of a sum: "plain", "scale" (conv * 1) or "zero" (conv + zeros)
+
+
 def _plan(rows, width, p, o8, taps, n, add):
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
-    key = ("conv", rows, width, p, o8, taps, n, add)
+    first = None if add else FIRST
+    if first == "zero":
+        add, first = True, None
+    key = ("conv", rows, width, p, o8, taps, n, add, first)
     plans = _state.setdefault("plans", {})
     if key not in plans:
-        plans[key] = _Plan(rows, width, p, o8, taps, n, add)
+        plans[key] = _Plan(rows, width, p, o8, taps, n, add, first)
     return plans[key]
+
+
+def _constant(value, n):
+    """A device float32 array of n values `value`, made once (before a capture: the eager pass makes it)."""
+    from numba import cuda
+    key = ("constant", value, n)
+    if key not in _state:
+        _state[key] = cuda.to_device(np.full(n, value, np.float32))
+    return _state[key]
 
 
 def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
@@ -107,8 +120,10 @@ def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
         plan = _plan(rows, width, p, o8, taps, n, z is not None)
         y = ys[i % 2]
         pack = {plan.x: pointer(image) + 2 * first, plan.y: pointer(y), plan.w: pointer(weights) + 2 * offset}
-        if z is not None:
-            pack[plan.z] = pointer(z)
+        if plan.z is not None:
+            pack[plan.z] = pointer(z if z is not None else _constant(0.0, ys[0].size))
+        if plan.one is not None:
+            pack[plan.one] = pointer(_constant(1.0, 1))
         plan.graph.execute(pack, pointer(workspace), handle=handle)
         z, offset = y, offset + o8 * taps * taps * n
     return z

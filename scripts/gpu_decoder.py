@@ -10,7 +10,7 @@ float64 decode of the same statement on the GPU (plus our raw output's max abs e
 
     python scripts/gpu_decoder.py --ops 1024     # each op's own error, to find where an excess comes from
     python scripts/gpu_decoder.py --profile      # also where each decode's time goes, kernel by kernel (CUPTI)
-    python scripts/gpu_decoder.py --columns      # also the decode with the columns (im2col + cuBLASLt) in place of cuDNN's convolutions
+    python scripts/gpu_decoder.py --cudnn-convs  # also the decode with cuDNN's convolutions (experimental: cuda_kernels.cudnn_conv)
 
 --ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
 inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
@@ -146,8 +146,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
-    parser.add_argument("--columns", action="store_true",
-                        help="also our decode with the columns (im2col + cuBLASLt) in place of cuDNN's convolutions")
+    parser.add_argument("--cudnn-convs", action="store_true",
+                        help="also our decode with cuDNN's convolutions in place of the columns (experimental)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -208,14 +208,14 @@ def main(argv=None):
                                                           ref_pixels)
         del t32
         torch.cuda.empty_cache()
-        if args.columns:
-            variant = CudaDecoder(tensors, SMALL, convs="columns")
+        if args.cudnn_convs:
+            variant = CudaDecoder(tensors, SMALL, convs="cudnn")
             got = variant.decode(latents)
-            row["ours_columns_ms"] = ours_ms(variant, latents, args.replays)
+            row["ours_cudnn_convs_ms"] = ours_ms(variant, latents, args.replays)
             if ref_pixels is not None:
-                row["ours_columns_vs_float64"] = off(got, ref_pixels)
+                row["ours_cudnn_convs_vs_float64"] = off(got, ref_pixels)
+            row["cudnn_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
             del variant
-        row["cudnn_refused"] = dict((str(k), v) for k, v in getattr(dec.ops, "cudnn_refused", {}).items())
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
     (args.out / "decoder.json").write_text(json.dumps(record, indent=1))

@@ -26,6 +26,7 @@ from moss_cli.ops import cuda_conv
 from moss_cli.ops.cuda_decoder import DecoderOps
 
 PLANT = sys.argv[1]
+cudnn_conv.FIRST = sys.argv[2]
 
 
 def address(a):
@@ -72,6 +73,10 @@ class Graph:
         self.conv = (image, weight, pre_padding, post_padding)
         return T(kind="conv")
 
+    def mul(self, a, b, compute_data_type, name):
+        self.one = b
+        return T(kind="mul", inputs=(a, b))
+
     def add(self, a, b, compute_data_type, name):
         self.z = b
         return T(kind="add", inputs=(a, b))
@@ -95,7 +100,9 @@ class Graph:
         for i in range(r):
             for j in range(s):
                 y += np.einsum("oc,chw->ohw", w[:, :, i, j], x[:, i:i + h, j:j + wd])
-        out = [t for t in pack if t.kind in ("conv", "add")][0]
+        out = [t for t in pack if t.kind in ("conv", "add", "mul")][0]
+        if getattr(self, "one", None) is not None:
+            y *= view(pack[self.one], np.float32, [1], [1])[0]
         if out.kind == "add" and PLANT != "no add":
             y += view(pack[self.z], np.float32, self.z.dim, self.z.stride)[0]
         view(pack[out], np.float32, out.dim, out.stride)[0][...] = y.astype(np.float32)
@@ -115,8 +122,7 @@ cudnn_conv.pointer = address
 if PLANT == "no hi.w_lo":
     whole = cudnn_conv.plan_convs
     cudnn_conv.plan_convs = lambda c, taps: [v for v in whole(c, taps) if v[2] == 0]
-conv.COLUMN_BYTES = 3 * 4 * 2 * 256 * 2      # a few rows a chunk: halo rows between chunks
-conv.SLICE_K = 9 * 64                        # windows of 64 channels: the 130-channel conv takes three
+conv.COLUMN_BYTES = 3 * 4 * 2 * 128 * 2      # a few rows a chunk: halo rows between chunks
 
 rng = np.random.default_rng(3)
 ops = DecoderOps()
@@ -152,28 +158,34 @@ def test_windows_cover_each_part_once_within_the_k_limit():
     from cuda_kernels import conv, cudnn_conv
     for c in (3, 32, 96, 130, 192, 384, 512):
         for taps in (1, 3):
-            p, c8 = conv.part(c), -(-c // 8) * 8
+            p = conv.part(c)
             plan = cudnn_conv.plan_convs(c, taps)
-            assert all(taps * taps * n <= conv.SLICE_K and n % 8 == 0 and first % 8 == 0 for first, n, _ in plan)
+            # nonzero columns within SLICE_K; windows of PART channels at multiples of PART, or the whole pixel
+            assert all(taps * taps * min(n, 2 * c) <= conv.SLICE_K for first, n, _ in plan), (c, taps, plan)
+            assert all((n == conv.PART or (first, n) in ((0, 2 * p), (0, p))) and first % conv.PART == 0
+                       for first, n, _ in plan), (c, taps, plan)
             hi_w = [j for first, n, which in plan if which == 0 for j in range(first, first + n) if j < c or p <= j < p + c]
             lo_w = [j for first, n, which in plan if which == 1 for j in range(first, first + n) if j < c]
             assert sorted(hi_w) == list(range(c)) + list(range(p, p + c)), (c, taps, plan)
             assert sorted(lo_w) == list(range(c)), (c, taps, plan)
             assert all(first + n <= 2 * p and (which == 0 or first + n <= p) for first, n, which in plan)
-    assert len(cudnn_conv.plan_convs(96, 3)) == 2            # [hi | 0 | lo] in one window, then hi . w_lo
-    assert len(cudnn_conv.plan_convs(384, 3)) == 6
+    assert len(cudnn_conv.plan_convs(96, 3)) == 2            # [hi | 0 | lo | 0] in one window, then hi . w_lo
+    assert len(cudnn_conv.plan_convs(384, 1)) == 2
+    assert len(cudnn_conv.plan_convs(384, 3)) == 9
 
 
-def _run(plant):
+def _run(plant, first="plain"):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", SCRIPT, plant], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, plant, first], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-def test_cudnn_convolutions_match_float64_through_a_stand_in():
-    out = _run("none")
+@pytest.mark.parametrize("first", ["plain", "scale", "zero"])
+def test_cudnn_convolutions_match_float64_through_a_stand_in(first):
+    """cudnn_conv.FIRST: the first convolution of each sum alone, times a device 1, or plus a zero buffer."""
+    out = _run("none", first)
     assert "FAIL" not in out and out.count("pass") == 5, out
 
 

@@ -50,7 +50,7 @@ def _source(x):
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images
+    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images (experimental)
 
     def _weight_bits(self, w, make):
         """(make's fp16 bits, peak [1]) of a float32 device weight, on the device, made once per weight."""

@@ -8,7 +8,6 @@ de-normalisation and unpatchify, the decoder and the pixels' rounding are one CU
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import sdpa
 from cuda_kernels.core import SIMULATED, from_bf16_bits
 
 from ..vae import Decoder, _config
@@ -42,15 +41,13 @@ class CudaDecoder:
     """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
     boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way).
-    convs: "cudnn" (cuDNN's convolutions over split images, cuda_kernels.cudnn_conv; a geometry cuDNN builds
-    no plan for takes the columns, listed in ops.cudnn_refused), "columns" (im2col + cuBLASLt products), or
-    "auto": cuDNN where its library loads (sdpa.available()), else the columns."""
+    convs: "columns" (im2col + cuBLASLt split products, the product's path) or "cudnn" (experimental: cuDNN's
+    convolutions over split images, cuda_kernels.cudnn_conv; a geometry cuDNN builds no plan for takes the
+    columns, listed in ops.cudnn_refused)."""
 
-    def __init__(self, tensors, config, graphs=True, convs="auto"):
-        if convs not in ("auto", "cudnn", "columns"):
-            raise ValueError(f"convs is 'auto', 'cudnn' or 'columns', not {convs!r}")
-        if convs == "auto":
-            convs = "cudnn" if not SIMULATED and sdpa.available()[0] else "columns"
+    def __init__(self, tensors, config, graphs=True, convs="columns"):
+        if convs not in ("cudnn", "columns"):
+            raise ValueError(f"convs is 'columns' or 'cudnn', not {convs!r}")
         self.ops = DecoderOps()
         self.ops.convs = convs
         self.decoder = Decoder(self.ops, tensors, config)
