@@ -10,11 +10,16 @@ two buffers in turn). Where hi and lo fit in one window together (the decoder's 
 the 1x1 convs) one convolution takes both, [hi | 0 | lo | 0] with [w_hi | 0 | w_hi | 0]. Rows come in
 chunks: a chunk's image holds its rows and a zero or neighbour row above and below, the convolution pads only
 left and right.
+
+Each plan is run once as it is built on pseudo-random operands and sampled against float64 (`check`); a plan
+that fails raises, and the decoder's conv2d takes the columns for that geometry. FIRST picks the form of a sum's
+first convolution (alone, times a device 1, or plus zeros), each a different set of cuDNN engines.
 """
 
 import numpy as np
 
 from . import conv
+from .core import SIMULATED
 from .conv import PART, host_scale, host_split, part, product_rows
 from .gemm import pointer, stream_handle
 from .sdpa import _state, available, build
@@ -93,8 +98,65 @@ def _plan(rows, width, p, o8, taps, n, add):
     key = ("conv", rows, width, p, o8, taps, n, add, first)
     plans = _state.setdefault("plans", {})
     if key not in plans:
-        plans[key] = _Plan(rows, width, p, o8, taps, n, add, first)
+        plan = _Plan(rows, width, p, o8, taps, n, add, first)
+        worst = check(plan, rows, width, p, o8, taps, n)
+        if worst > 1:
+            raise RuntimeError(f"the cuDNN plan for {key[1:]} failed its check: error {worst:.3g} x its bound")
+        plans[key] = plan
     return plans[key]
+
+
+def check(plan, rows, width, p, o8, taps, n, seed=0):
+    """Run a freshly built plan once on pseudo-random operands (an image of distinct rows, weights of the split
+    parts' magnitude, sums past fp16's range, an added Z of the sums' size) and hold sampled outputs (the first
+    two and last two rows, random ones; the edge columns and a random one; every output channel) against
+    float64 on the host. Returns the worst |error| / bound, the bound K 2^-22 sum |terms| (float32 sums of
+    exact fp16 products, at their worst): an engine that reads the wrong rows or channels, drops the add or
+    overflows an fp16 intermediate fails it; one that only rounds worse may not."""
+    from numba import cuda
+    from .layout import random_bf16
+    pad = taps // 2
+    rng = np.random.default_rng(seed)
+    shape = ((rows + 2 * pad) * width, 2 * p)
+    if SIMULATED:                       # the simulator's threads are slow: the host's numbers
+        image = cuda.to_device(rng.uniform(-4, 4, shape).astype(np.float16).view(np.uint16))
+    else:
+        image = cuda.device_array(shape, np.uint16)
+        random_bf16(image.reshape(image.size), seed + 1)        # as fp16 bits: +-[0.25, 4), each its own
+    w = (rng.standard_normal((o8, taps, taps, n)) * 2.0 ** 13).astype(np.float16)
+    weights = cuda.to_device(w.view(np.uint16))
+    y = cuda.device_array((rows * width, o8), np.float32)
+    z = None
+    pack = {plan.x: pointer(image), plan.y: pointer(y), plan.w: pointer(weights)}
+    if plan.z is not None:
+        if SIMULATED:   # z: the bits of float32 [rows W, O8]
+            z = cuda.to_device((rng.standard_normal((rows * width, o8)) * 2.0 ** 20).astype(np.float32).view(np.uint16))
+        else:
+            z = cuda.device_array((rows * width, 2 * o8), np.uint16)
+            random_bf16(z.reshape(z.size), seed + 2, 2.0 ** 20)  # bf16 pairs read as float32: finite, ~1e6
+        pack[plan.z] = pointer(z)
+    cuda.synchronize()                  # the fills done before cuDNN runs on its handle's stream
+    if plan.one is not None:
+        pack[plan.one] = pointer(_constant(1.0, 1))
+    space = cuda.device_array(max(1, plan.workspace_bytes), np.uint8)
+    plan.graph.execute(pack, pointer(space), handle=_state["handle"])
+    cuda.synchronize()
+    x = image.copy_to_host().view(np.float16).astype(np.float64).reshape(rows + 2 * pad, width, 2 * p)[..., :n]
+    x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))                # the convolution's left and right padding
+    got = y.copy_to_host().reshape(rows, width, o8)
+    extra = 0 * got if z is None else z.copy_to_host().view(np.float32).astype(np.float64).reshape(rows, width, o8)
+    picks = sorted({0, min(1, rows - 1), max(rows - 2, 0), rows - 1, *rng.integers(0, rows, 8).tolist()})
+    cols = sorted({0, width - 1, int(rng.integers(0, width))})
+    w64 = w.astype(np.float64)
+    worst = 0.0
+    for r in picks:
+        for c in cols:
+            patch = x[r:r + taps, c:c + taps]                     # [taps, taps, n]
+            ref = np.einsum("ijc,oijc->o", patch, w64) + extra[r, c]
+            terms = np.einsum("ijc,oijc->o", np.abs(patch), np.abs(w64)) + np.abs(extra[r, c])
+            bound = taps * taps * n * 2.0 ** -22 * terms + 1e-30
+            worst = max(worst, float(np.max(np.abs(got[r, c] - ref) / bound)))
+    return worst
 
 
 def _constant(value, n):

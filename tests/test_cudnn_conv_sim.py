@@ -92,6 +92,8 @@ class Graph:
     def execute(self, pack, workspace, handle=None):
         image, weight, pre, post = self.conv
         x = view(pack[image], np.float16, image.dim, image.stride).astype(np.float64)[0]      # [C, H, W]
+        if PLANT == "rows shifted":      # an engine that reads the image one row low
+            x = np.concatenate([x[:, 1:], x[:, -1:]], axis=1)
         w = view(pack[weight], np.float16, weight.dim, weight.stride).astype(np.float64)      # [O, C, R, S]
         x = np.pad(x, ((0, 0), (pre[0], post[0]), (pre[1], post[1])))
         o, _, r, s = w.shape
@@ -119,6 +121,13 @@ fake.__version__ = "stand-in"
 sys.modules["cudnn"] = fake
 sdpa._state.clear()
 cudnn_conv.pointer = address
+if PLANT == "check":
+    ok, _ = sdpa.available()
+    plan = cudnn_conv._Plan(5, 4, 128, 8, 3, 136, True)
+    right = cudnn_conv.check(plan, 5, 4, 128, 8, 3, 136)
+    PLANT = "no add"
+    print("check", right, cudnn_conv.check(plan, 5, 4, 128, 8, 3, 136))
+    sys.exit(0)
 if PLANT == "no hi.w_lo":
     whole = cudnn_conv.plan_convs
     cudnn_conv.plan_convs = lambda c, taps: [v for v in whole(c, taps) if v[2] == 0]
@@ -151,6 +160,7 @@ for c, o, h, w, taps, kind in ((5, 3, 7, 4, 3, "plain"), (5, 3, 4, 3, 3, "up"), 
     worst = max(worst, ratio)
     print(kind, c, o, h, w, taps, "pass" if ok else "FAIL", f"{ratio:.3g}")
 print("worst", worst)
+print("refused", len(ops.__dict__.get("cudnn_refused", {})))
 '''
 
 
@@ -189,9 +199,24 @@ def test_cudnn_convolutions_match_float64_through_a_stand_in(first):
     assert "FAIL" not in out and out.count("pass") == 5, out
 
 
-@pytest.mark.parametrize("plant, failing", [("no add", 5), ("no hi.w_lo", 4)])
-def test_planted_bugs_fail_the_same_gate(plant, failing):
-    """hi.w_lo is about 2^-12 of the product: the 130-channel case's bound (float32 sums over 1170 terms, at
-    their worst) is wider than that, so that plant fails the four narrow cases."""
+def test_planted_plan_bug_fails_the_same_gate():
+    """Windows that leave out hi.w_lo (about 2^-12 of the product): the 130-channel case's bound (float32 sums
+    over 1170 terms, at their worst) is wider than that, so the plant fails the four narrow cases."""
+    out = _run("no hi.w_lo")
+    assert out.count("FAIL") == 4 and "refused 0" in out, out
+
+
+@pytest.mark.parametrize("plant", ["no add", "rows shifted"])
+def test_a_faulty_engine_fails_its_check_and_the_columns_take_its_convs(plant):
+    """cudnn_conv.check, run on each plan as it is built: an engine that drops the fused add, or reads the
+    image a row low, fails it; those geometries go to the columns and the pixels still meet the gate."""
     out = _run(plant)
-    assert out.count("FAIL") == failing, out
+    assert "FAIL" not in out and out.count("pass") == 5 and "refused 0" not in out, out
+
+
+def test_the_check_passes_a_right_engine_and_fails_a_planted_one_by_far():
+    """The check's own numbers through the stand-in: a right engine far inside the bound, a dropped add far
+    outside it."""
+    out = _run("check")
+    right, dropped = (float(v) for v in out.split("check")[1].split())
+    assert right < 1e-3 and dropped > 10, out

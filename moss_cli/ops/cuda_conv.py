@@ -84,7 +84,7 @@ class ConvCudaOps:
             if key not in refused:
                 try:
                     return self._conv2d_cudnn(x, w, b, residual)
-                except Exception as e:      # cuDNN builds no plan for this geometry: the columns take it
+                except Exception as e:      # no plan for this geometry, or one that failed its check: the columns
                     if "cudnn" not in type(e).__module__.lower() and "cudnn" not in str(e).lower():
                         raise
                     refused[key] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -43,7 +43,7 @@ class CudaDecoder:
     boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way).
     convs: "columns" (im2col + cuBLASLt split products, the product's path) or "cudnn" (experimental: cuDNN's
     convolutions over split images, cuda_kernels.cudnn_conv; a geometry cuDNN builds no plan for takes the
-    columns, listed in ops.cudnn_refused)."""
+    columns, as does one whose plan fails cudnn_conv.check; listed in ops.cudnn_refused)."""
 
     def __init__(self, tensors, config, graphs=True, convs="columns"):
         if convs not in ("cudnn", "columns"):
