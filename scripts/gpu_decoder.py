@@ -10,7 +10,8 @@ float64 decode of the same statement on the GPU (plus our raw output's max abs e
 
     python scripts/gpu_decoder.py --ops 1024     # each op's own error, to find where an excess comes from
     python scripts/gpu_decoder.py --profile      # also where each decode's time goes, kernel by kernel (CUPTI)
-    python scripts/gpu_decoder.py --cudnn-convs  # also the decode with cuDNN's convolutions (experimental: cuda_kernels.cudnn_conv)
+    python scripts/gpu_decoder.py --cudnn-convs plain zero  # also the decode with cuDNN's convolutions (experimental:
+                                                 # cuda_kernels.cudnn_conv), a sum's first convolution in each FIRST form
 
 --ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
 inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
@@ -146,8 +147,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
-    parser.add_argument("--cudnn-convs", action="store_true",
-                        help="also our decode with cuDNN's convolutions in place of the columns (experimental)")
+    parser.add_argument("--cudnn-convs", nargs="*", metavar="FIRST", choices=("plain", "scale", "zero"),
+                        help="also our decode with cuDNN's convolutions in place of the columns (experimental), "
+                             "once per form of a sum's first convolution (cudnn_conv.FIRST; none: plain)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -208,13 +210,16 @@ def main(argv=None):
                                                           ref_pixels)
         del t32
         torch.cuda.empty_cache()
-        if args.cudnn_convs:
+        for first in ([] if args.cudnn_convs is None else args.cudnn_convs or ["plain"]):
+            from cuda_kernels import cudnn_conv
+            cudnn_conv.FIRST = first
+            name = "ours_cudnn_convs" + ("" if first == "plain" else f"_{first}")
             variant = CudaDecoder(tensors, SMALL, convs="cudnn")
             got = variant.decode(latents)
-            row["ours_cudnn_convs_ms"] = ours_ms(variant, latents, args.replays)
+            row[f"{name}_ms"] = ours_ms(variant, latents, args.replays)
             if ref_pixels is not None:
-                row["ours_cudnn_convs_vs_float64"] = off(got, ref_pixels)
-            row["cudnn_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
+                row[f"{name}_vs_float64"] = off(got, ref_pixels)
+            row[f"{name}_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
             del variant
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
