@@ -59,6 +59,17 @@ def off(a, b):
     return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
 
 
+def where_off(a, b, top=12):
+    """Where the pixels off by more than one lie: the rows holding most of them and the worst pixels (row, column,
+    levels), to tell an engine's wrong edge or chunk rows from rounding spread over the image."""
+    d = np.abs(a.astype(int) - b.astype(int))
+    d = d.max(axis=-1) if d.ndim == 3 else d
+    rows = np.count_nonzero(d > 1, axis=1)
+    worst = np.argsort(d, axis=None)[::-1][:top]
+    return {"rows_most_over_one": [[int(r), int(rows[r])] for r in np.argsort(rows)[::-1][:top] if rows[r]],
+            "worst": [[int(i // d.shape[1]), int(i % d.shape[1]), int(d.flat[i])] for i in worst if d.flat[i] > 1]}
+
+
 def ours_ms(dec, latents, calls):
     from numba import cuda
     dec.decode(latents)
@@ -219,6 +230,7 @@ def main(argv=None):
             row[f"{name}_ms"] = ours_ms(variant, latents, args.replays)
             if ref_pixels is not None:
                 row[f"{name}_vs_float64"] = off(got, ref_pixels)
+                row[f"{name}_where_off"] = where_off(got, ref_pixels)
             row[f"{name}_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
             del variant
         record["sizes"][f"{size}x{size}"] = row
