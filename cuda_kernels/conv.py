@@ -21,9 +21,12 @@ R_16F, R_32F = 2, 0           # cudaDataType
 TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
 TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
-ROWS = 8                      # thread rows of a finish / im2col block
+ROWS = 8                      # thread rows of a finish / split_image block
 PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
-RUN = 4 if SIMULATED else 30  # output pixels (of one image row) of an im2col block
+SPLIT_PX = 4 if SIMULATED else 32      # pixels (of one image row) of a split_image block
+SPLIT_CH = 64                              # channels of a split_image block (divides PART)
+GATHER_PX = 4 if SIMULATED else 32     # output pixels (of one image row) of a gather block
+GATHER_THREADS = 32 if SIMULATED else 128
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
@@ -238,75 +241,89 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_im2col(control, taps, up, norm=False):
-    """Columns of a stride-1 conv with `taps` x `taps` taps (padding taps // 2), for image rows [r0, r0 + rows)
-    of the output; up: the input is the nearest-2x upsampling of x (read through, never written); norm: the
-    input is silu(group_norm(x)) of the group statistics in stats (never written).
+def _make_split_image(control, up, norm=False):
+    """The split image of a conv's input (conv.split_image): up: the input is the nearest-2x upsampling of x
+    (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats.
 
-    A block takes a run of RUN output pixels of one image row and a slab of blockDim.x channels. It first
-    stages the input the run reads, taps rows of RUN + taps - 1 values a channel, each value made (norm),
-    scaled and split once into a (hi, lo) word in shared memory, threads along the image row (coalesced
-    reads); then writes the run's columns from there, threads along channels (coalesced writes)."""
-    pad = taps // 2
-    span = RUN + taps - 1               # input columns a run reads (32 for 3x3 taps on the GPU)
-    stride = span | 1                   # a staged row, odd: threads along channels read distinct banks
-    words = 32 * taps * stride
+    A block takes a tile of SPLIT_PX pixels of one image row and SPLIT_CH channels: it reads the tile along
+    the row (coalesced), makes each value (norm), scales and splits it once into a (hi, lo) word in shared
+    memory, then writes the tile's pixels along their channels, two channels a 4-byte word (coalesced)."""
+    tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
 
-    @jit(launch_bounds=(32 * ROWS, 3))      # three blocks an SM (at most 85 registers; no spills)
-    def im2col(x, peak, flat, n, p, r0, stats, gw, gb):
-        """flat = cols [n, 2 P] in row order: cols[q, part P + t C + c] (parts hi | lo, P = part(taps^2 C),
-        zeros past taps^2 C) for output pixel q of the chunk, tap t, channel c."""
-        sh = cuda.shared.array(words, uint32)
+    @jit
+    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb):
+        """words = the image [rows W, 2 P] fp16 bits as 4-byte words [rows W, P]: pixel q's words [0, half)
+        hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2); image row i is
+        input row r0 + i (zero outside x), channels past C are zero."""
+        sh = cuda.shared.array(tile_shape, uint32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
-        h, w = (2 * x.shape[1], 2 * x.shape[2]) if up else (x.shape[1], x.shape[2])
-        k = taps * taps * c_in
-        slab = cuda.blockDim.x
+        h = 2 * x.shape[1] if up else x.shape[1]
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        c0 = cuda.blockIdx.y * slab
-        per_row = (w + RUN - 1) // RUN
-        for run in range(cuda.blockIdx.x, (n // w) * per_row, cuda.gridDim.x):
-            y, x0 = r0 + run // per_row, (run % per_row) * RUN
-            first = (y - r0) * w + x0                    # the run's first column row
-            cuda.syncthreads()                           # the previous run's reads of sh are done
-            for r in range(ty, slab * taps, cuda.blockDim.y):        # staged row r: channel c0 + r // taps
-                c, yy = c0 + r // taps, y + r % taps - pad
-                live = c < c_in and 0 <= yy < h
-                for j in range(tx, span, slab):
-                    xx = x0 + j - pad
-                    v = float32(0.0)
-                    if live and 0 <= xx < w:
-                        v = x[c, yy // 2, xx // 2] if up else x[c, yy, xx]
-                        if norm:
-                            v = _gn_silu(v, c, stats, gw, gb)
-                    v *= s
-                    hi = to_half(v)
-                    lo = to_half(v - from_half(hi)) if not control else uint16(0)
-                    sh[r * stride + j] = uint32(hi) | (uint32(lo) << uint32(16))
+        c0 = cuda.blockIdx.y * SPLIT_CH
+        per_row = (width + SPLIT_PX - 1) // SPLIT_PX
+        tid, threads, pairs = ty * cuda.blockDim.x + tx, cuda.blockDim.x * cuda.blockDim.y, SPLIT_CH // 2
+        for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
+            i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
+            y, xx = r0 + i, x0 + tx
+            live = 0 <= y < h and xx < width
+            cuda.syncthreads()                           # the previous tile's reads of sh are done
+            for cc in range(ty, SPLIT_CH, cuda.blockDim.y):
+                c = c0 + cc
+                v = float32(0.0)
+                if live and c < c_in:
+                    v = x[c, y // 2, xx // 2] if up else x[c, y, xx]
+                    if norm:
+                        v = _gn_silu(v, c, stats, gw, gb)
+                v *= s
+                hi = to_half(v)
+                lo = to_half(v - from_half(hi)) if not control else uint16(0)
+                sh[cc, tx] = uint32(hi) | (uint32(lo) << uint32(16))
             cuda.syncthreads()
-            c = c0 + tx
-            if c < c_in:
-                pixels = min(RUN, w - x0)
-                # unsigned indices (no negative-index wraparound) into the flat columns, one row offset a pixel
-                width2, step = uint64(2 * p), uint64(cuda.blockDim.y)
-                for t in range(k // c_in):               # the taps (k // c_in: a loop the compiler keeps)
-                    dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
-                    at = uint64((tx * taps + dy) * stride + dx + ty)
-                    to = uint64(first + ty) * width2 + uint64(t * c_in + c)
-                    for _ in range(ty, pixels, cuda.blockDim.y):
-                        word = sh[at]
-                        flat[to] = uint16(word & uint32(0xFFFF))
-                        flat[to + uint64(p)] = uint16(word >> uint32(16))
-                        at += step
-                        to += step * width2
-            if cuda.blockIdx.y == 0 and p > k:           # the parts' zero columns past K
-                tid = ty * slab + tx
-                for i in range(tid, RUN * (p - k), slab * cuda.blockDim.y):
-                    px, j = i // (p - k), k + i % (p - k)
-                    if x0 + px < w:
-                        flat[(first + px) * 2 * p + j] = uint16(0)
-                        flat[(first + px) * 2 * p + p + j] = uint16(0)
-    return im2col
+            for k in range(tid, pairs * SPLIT_PX, threads):
+                pr, px = k % pairs, k // pairs
+                if x0 + px < width:
+                    a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
+                    at = (i * width + x0 + px) * 2 * half + c0 // 2 + pr
+                    words[at] = (a & uint32(0xFFFF)) | (b << uint32(16))
+                    words[at + half] = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+    return split_image
+
+
+@functools.cache
+def _make_gather(control, taps):
+    """The columns of a taps x taps conv from its split image (conv.gather_columns): copies, in words of one
+    to four channels."""
+    pad = taps // 2
+
+    @jit
+    def gather(image, cols, rows, width, cw, pw, qw, zero):
+        """cols [rows W, 2 qw] words = the split columns of output rows 0.. of the chunk whose split image
+        [(rows + 2 pad) W, 2 pw] words is `image` (image row i + dy holds the input of output row i's tap
+        row dy): column part k (hi, lo), tap t, channel word j of output pixel q is image part k, word j of
+        the pixel tap t reads, zero past the image's left and right edges and past taps^2 cw words.
+
+        A block takes a run of GATHER_PX output pixels of one row, threads along the words of a column row
+        (each thread's word's part, tap and channel worked out once for the run)."""
+        per_row = (width + GATHER_PX - 1) // GATHER_PX
+        row_words = 2 * qw
+        for run in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
+            r, x0 = run // per_row, (run % per_row) * GATHER_PX
+            n = min(GATHER_PX, width - x0)
+            for j in range(cuda.threadIdx.x, row_words, cuda.blockDim.x):
+                kind, k = j // qw, j % qw
+                t, cj = k // cw, k % cw
+                dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
+                live = t < taps * taps
+                at = ((r + dy) * width + x0 + dx - pad) * 2 * pw + kind * pw + cj
+                to = (r * width + x0) * row_words + j
+                for px in range(n):
+                    xx = x0 + px + dx - pad
+                    if live and 0 <= xx < width:
+                        cols[to + px * row_words] = image[at + px * 2 * pw]
+                    else:
+                        cols[to + px * row_words] = zero
+    return gather
 
 
 def _make_finish(control):
@@ -477,17 +494,61 @@ def chunk_rows(c_in, taps, width):
     return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
 
 
-def im2col(x, peak, cols, r0, taps, up=False, norm=None, stream=0, control=False):
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False):
+    """image [rows W, 2 P] fp16 bits, P = part(C): the split input [hi | 0 | lo | 0] of each pixel of input rows
+    r0.. of a conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from
+    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero."""
+    width = 2 * x.shape[2] if up else x.shape[2]
+    rows, p = image.shape[0] // width, image.shape[1] // 2
+    tiles = rows * -(-width // SPLIT_PX)
+    grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), p // SPLIT_CH)
+    stats, w, b = _no_norm() if norm is None else norm
+    _make_split_image(control, up, norm is not None)[grid, (SPLIT_PX, ROWS), stream](
+        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b)
+
+
+def _word(*counts):
+    """The widest word (8, 4 or 2 bytes) that every count of fp16 values fills whole."""
+    for dtype in (np.uint64, np.uint32):
+        if all(c % (np.dtype(dtype).itemsize // 2) == 0 for c in counts):
+            return dtype
+    return np.uint16
+
+
+def gather_columns(image, cols, width, c, taps, stream=0, control=False):
+    """cols [rows W, split_width(taps^2 C)] fp16 bits: the split columns [hi | lo] of a chunk's output rows from
+    its split image [(rows + 2 pad) W, 2 part(C)] (split_image of input rows from the chunk's first - pad)."""
+    rows = cols.shape[0] // width
+    word = _word(c, image.shape[1], cols.shape[1])
+    per = np.dtype(word).itemsize // 2
+    runs = rows * -(-width // GATHER_PX)
+    grid = max(1, min(runs, 2 if SIMULATED else 65535))
+    _make_gather(control, taps)[grid, GATHER_THREADS, stream](
+        image.reshape(image.size).view(word), cols.reshape(cols.size).view(word), rows, width, c // per,
+        image.shape[1] // 2 // per, cols.shape[1] // 2 // per, word(0))
+
+
+def image_rows(rows, taps):
+    """Rows of the split image a chunk of `rows` output rows reads."""
+    return rows + 2 * (taps // 2)
+
+
+def im2col(x, peak, cols, r0, taps, up=False, norm=None, image=None, stream=0, control=False):
     """cols [rows W, split_width(taps^2 C)] fp16 bits: the split columns [hi | lo] of output rows r0.. of a
     conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
-    silu(group_norm(x))), zero padding taps // 2, the input scaled by scale_of(peak[0])."""
+    silu(group_norm(x))), zero padding taps // 2, the input scaled by scale_of(peak[0]): the chunk's split image
+    (split_image, into `image`, [image_rows(rows, taps) W, 2 part(C)] or more; made if None), then its columns
+    (gather_columns). A 1x1 conv's columns are its split image."""
     width = 2 * x.shape[2] if up else x.shape[2]
-    runs = (cols.shape[0] // width) * -(-width // RUN)
-    tx = min(32, x.shape[0])
-    grid = (max(1, min(runs, 2 if SIMULATED else 65535)), -(-x.shape[0] // tx))
-    stats, w, b = _no_norm() if norm is None else norm
-    _make_im2col(control, taps, up, norm is not None)[grid, (tx, ROWS), stream](
-        x, peak, cols.reshape(cols.size), cols.shape[0], cols.shape[1] // 2, int(r0), stats, w, b)
+    if taps == 1:
+        split_image(x, peak, cols, r0, up, norm, stream=stream, control=control)
+        return
+    rows, c = cols.shape[0] // width, x.shape[0]
+    n = image_rows(rows, taps) * width
+    if image is None:
+        image = cuda.device_array((n, 2 * part(c)), np.uint16)
+    split_image(x, peak, image[:n], r0 - taps // 2, up, norm, stream=stream, control=control)
+    gather_columns(image[:n], cols, width, c, taps, stream=stream, control=control)
 
 
 def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):

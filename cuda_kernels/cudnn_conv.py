@@ -1,7 +1,7 @@
 """The decoder's split convolutions through cuDNN's implicit-GEMM convolution (the frontend's Python graph API),
 from raw device pointers on the caller's stream: no columns through memory.
 
-The split image of a conv's input is what conv.im2col writes for one tap: [pixels, 2 P] fp16 bits, channels
+The split image of a conv's input is what conv.split_image writes: [pixels, 2 P] fp16 bits, channels
 [hi | 0 | lo | 0] with P = conv.part(C), i.e. an NHWC image of 2 P channels (the pads are zero). The product
 hi.w_hi + lo.w_hi + hi.w_lo is a sum of convolutions over channel windows of that image (`plan_convs`), each
 of K = taps^2 channels <= conv.SLICE_K like the split product's slices (the tensor cores' float32 accumulator
@@ -169,7 +169,7 @@ def _constant(value, n):
 
 
 def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
-    """The split product of one chunk: image [(rows + 2 pad) W, 2 P] fp16 bits (conv.im2col, one tap) of a
+    """The split product of one chunk: image [(rows + 2 pad) W, 2 P] fp16 bits (conv.split_image) of a
     conv of C input channels, weights from weight_windows (on the device), ys two float32 [rows W, O8] buffers;
     returns the one holding the sum (the product still scaled, as conv.half_product leaves it for
     conv.finish). workspace: a uint8 device array of at least workspace_bytes(...)."""

@@ -5,7 +5,7 @@ in float32, the latents' unpacking and the pixels' rounding on the device.
 Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
 nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
 never written. A conv runs over chunks of output rows:
-split columns of the chunk (im2col), one split product against the split weight (prepared once per
+split columns of the chunk (conv.im2col: the chunk's split image, then its columns gathered from it), one split product against the split weight (prepared once per
 weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
 chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
 residual, the ResNet block's sum) added.
@@ -95,12 +95,13 @@ class ConvCudaOps:
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, taps, width))
         cols = self.new((rows * width, conv.split_width(c * taps * taps)), np.uint16)
+        image = None if taps == 1 else self.new((conv.image_rows(rows, taps) * width, 2 * conv.part(c)), np.uint16)
         d = self.new((rows * width, weight.shape[0]))          # conv.product_rows(o) columns
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0) * width
-            conv.im2col(src, peak, cols[:n], r0, taps, up, norm, stream=self.stream)
+            conv.im2col(src, peak, cols[:n], r0, taps, up, norm, image=image, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
@@ -124,7 +125,7 @@ class ConvCudaOps:
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
-            conv.im2col(src, peak, image[:(n + 2 * pad) * width], r0 - pad, 1, up, norm, stream=self.stream)
+            conv.split_image(src, peak, image[:(n + 2 * pad) * width], r0 - pad, up, norm, stream=self.stream)
             space = self.new((cudnn_conv.workspace_bytes(n, width, c, o8, taps),), np.uint8)
             d = cudnn_conv.convolve(image[:(n + 2 * pad) * width], weights, [y[:n * width] for y in ys], n, width,
                                     c, taps, space, stream=self.stream)
