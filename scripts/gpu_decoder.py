@@ -146,7 +146,7 @@ def _op_errors(dec, latents):
     return worst
 
 
-KERNELS = ("Memcpy", "im2col", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows", "softmax", "unpack",
+KERNELS = ("Memcpy", "split_image", "gather", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows", "softmax", "unpack",
            "pixels", "zero", "copy")      # --profile's rows: ours by name, the products (cuBLASLt) by theirs
 
 
