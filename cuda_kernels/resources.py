@@ -37,6 +37,7 @@ def _signatures():
     u1 = a(t.uint32, 1)
     w2 = a(t.uint64, 2, "A")                                   # 8-byte words (elementwise._words)
     w2c, u8v = a(t.uint64, 2), a(t.uint64, 1)                  # dit's contiguous word views
+    split_image_args = (f3, f1, u1, *(t.int64,) * 4, f2, f1, f1)
     packed_team = elementwise._tiles(1, 2 * 12288 // elementwise.PACK)[1]
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
@@ -100,10 +101,10 @@ def _signatures():
         "conv_absmax": (conv._absmax[False, False], (f2, f1, f2, f1, f1)),
         "conv_absmax_norm": (conv._absmax[False, True], (f2, f1, f2, f1, f1)),
         "conv_split_rows": (conv._split_rows[False], (f2, f1, b2, t.boolean)),
-        "conv_split_image": (conv._make_split_image(False, False), (f3, f1, u1, t.int64, t.int64, t.int64, t.int64, f2, f1, f1)),
-        "conv_split_image_up": (conv._make_split_image(False, True), (f3, f1, u1, t.int64, t.int64, t.int64, t.int64, f2, f1, f1)),
-        "conv_split_image_norm": (conv._make_split_image(False, False, True), (f3, f1, u1, t.int64, t.int64, t.int64, t.int64, f2, f1, f1)),
-        "conv_gather_3x3": (conv._make_gather(False, 3), (u8v, u8v, t.int64, t.int64, t.int64, t.int64, t.int64, t.uint64)),
+        "conv_split_image": (conv._make_split_image(False, False), split_image_args),
+        "conv_split_image_up": (conv._make_split_image(False, True), split_image_args),
+        "conv_split_image_norm": (conv._make_split_image(False, False, True), split_image_args),
+        "conv_gather_3x3": (conv._make_gather(False, 3), (u8v, u8v, *(t.int64,) * 5, t.uint64)),
         "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
         "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),

@@ -146,8 +146,8 @@ def _op_errors(dec, latents):
     return worst
 
 
-KERNELS = ("Memcpy", "split_image", "gather", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows", "softmax", "unpack",
-           "pixels", "zero", "copy")      # --profile's rows: ours by name, the products (cuBLASLt) by theirs
+KERNELS = ("Memcpy", "split_image", "gather", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows",
+           "softmax", "unpack", "pixels", "zero", "copy")      # --profile's rows: ours by name, the products (cuBLASLt) by theirs
 
 
 def main(argv=None):

@@ -4,8 +4,8 @@ in float32, the latents' unpacking and the pixels' rounding on the device.
 
 Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
 nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
-never written. A conv runs over chunks of output rows:
-split columns of the chunk (conv.im2col: the chunk's split image, then its columns gathered from it), one split product against the split weight (prepared once per
+never written. A conv runs over chunks of output rows: split columns of the chunk (conv.im2col: the chunk's
+split image, then its columns gathered from it), one split product against the split weight (prepared once per
 weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
 chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
 residual, the ResNet block's sum) added.
