@@ -249,13 +249,15 @@ def _make_split_image(control, up, norm=False):
     the row (coalesced), makes each value (norm), scales and splits it once into a (hi, lo) word in shared
     memory, then writes the tile's pixels along their channels, two channels a 4-byte word (coalesced)."""
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
+    PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
     @jit
-    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb):
+    def split_image(x, peak, words, rows, width, r0, half, live_rows, stats, gw, gb):
         """words = the image [rows W, 2 P] fp16 bits as 4-byte words [rows W, P]: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2); image row i is
-        input row r0 + i (zero outside x), channels past C are zero."""
+        input row r0 + i, zero outside x and from row live_rows on; channels past C are zero."""
         sh = cuda.shared.array(tile_shape, uint32)
+        got = cuda.local.array(PER_THREAD, float32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
         h = 2 * x.shape[1] if up else x.shape[1]
@@ -266,19 +268,22 @@ def _make_split_image(control, up, norm=False):
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
             y, xx = r0 + i, x0 + tx
-            live = 0 <= y < h and xx < width
-            cuda.syncthreads()                           # the previous tile's reads of sh are done
-            for cc in range(ty, SPLIT_CH, cuda.blockDim.y):
-                c = c0 + cc
-                v = float32(0.0)
+            live = 0 <= y < h and i < live_rows and xx < width
+            for j in range(PER_THREAD):                  # every load issued before the first is used
+                c = c0 + ty + j * ROWS
+                got[j] = float32(0.0)
                 if live and c < c_in:
-                    v = x[c, y // 2, xx // 2] if up else x[c, y, xx]
-                    if norm:
-                        v = _gn_silu(v, c, stats, gw, gb)
+                    got[j] = x[c, y // 2, xx // 2] if up else x[c, y, xx]
+            cuda.syncthreads()                           # the previous tile's reads of sh are done
+            for j in range(PER_THREAD):
+                c = c0 + ty + j * ROWS
+                v = got[j]
+                if norm and live and c < c_in:
+                    v = _gn_silu(v, c, stats, gw, gb)
                 v *= s
                 hi = to_half(v)
                 lo = to_half(v - from_half(hi)) if not control else uint16(0)
-                sh[cc, tx] = uint32(hi) | (uint32(lo) << uint32(16))
+                sh[ty + j * ROWS, tx] = uint32(hi) | (uint32(lo) << uint32(16))
             cuda.syncthreads()
             for k in range(tid, pairs * SPLIT_PX, threads):
                 pr, px = k % pairs, k // pairs
@@ -317,12 +322,24 @@ def _make_gather(control, taps):
                 live = t < taps * taps
                 at = ((r + dy) * width + x0 + dx - pad) * 2 * pw + kind * pw + cj
                 to = (r * width + x0) * row_words + j
-                for px in range(n):
-                    xx = x0 + px + dx - pad
+                for px0 in range(0, n, 4):              # four loads in flight before their stores
+                    v0, v1, v2, v3 = zero, zero, zero, zero
+                    xx = x0 + px0 + dx - pad
                     if live and 0 <= xx < width:
-                        cols[to + px * row_words] = image[at + px * 2 * pw]
-                    else:
-                        cols[to + px * row_words] = zero
+                        v0 = image[at + px0 * 2 * pw]
+                    if live and 0 <= xx + 1 < width and px0 + 1 < n:
+                        v1 = image[at + (px0 + 1) * 2 * pw]
+                    if live and 0 <= xx + 2 < width and px0 + 2 < n:
+                        v2 = image[at + (px0 + 2) * 2 * pw]
+                    if live and 0 <= xx + 3 < width and px0 + 3 < n:
+                        v3 = image[at + (px0 + 3) * 2 * pw]
+                    cols[to + px0 * row_words] = v0
+                    if px0 + 1 < n:
+                        cols[to + (px0 + 1) * row_words] = v1
+                    if px0 + 2 < n:
+                        cols[to + (px0 + 2) * row_words] = v2
+                    if px0 + 3 < n:
+                        cols[to + (px0 + 3) * row_words] = v3
     return gather
 
 
@@ -494,17 +511,19 @@ def chunk_rows(c_in, taps, width):
     return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False):
+def split_image(x, peak, image, r0, up=False, norm=None, live=None, stream=0, control=False):
     """image [rows W, 2 P] fp16 bits, P = part(C): the split input [hi | 0 | lo | 0] of each pixel of input rows
     r0.. of a conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from
-    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero."""
+    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image, and image rows
+    from `live` on (None: all live), are zero."""
     width = 2 * x.shape[2] if up else x.shape[2]
     rows, p = image.shape[0] // width, image.shape[1] // 2
     tiles = rows * -(-width // SPLIT_PX)
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), p // SPLIT_CH)
     stats, w, b = _no_norm() if norm is None else norm
     _make_split_image(control, up, norm is not None)[grid, (SPLIT_PX, ROWS), stream](
-        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b)
+        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
+        rows if live is None else int(live), stats, w, b)
 
 
 def _word(*counts):

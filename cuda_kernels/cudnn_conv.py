@@ -85,6 +85,8 @@ class _Plan:
         self.workspace_bytes = build(g)
 
 
+TAIL = 8              # zero image rows after each chunk's image: what an engine reading past its image meets
+GARBAGE = 8           # rows of noise after those in check's image: an engine reading further fails the check
 FIRST = "plain"       # the first convolution of a sum: "plain", "scale" (conv * 1) or "zero" (conv + zeros)
 
 
@@ -100,29 +102,34 @@ def _plan(rows, width, p, o8, taps, n, add):
     if key not in plans:
         plan = _Plan(rows, width, p, o8, taps, n, add, first)
         worst = check(plan, rows, width, p, o8, taps, n)
-        if worst > 1:
+        if not worst <= 1:                                      # NaN fails too
             raise RuntimeError(f"the cuDNN plan for {key[1:]} failed its check: error {worst:.3g} x its bound")
         plans[key] = plan
     return plans[key]
 
 
 def check(plan, rows, width, p, o8, taps, n, seed=0):
-    """Run a freshly built plan once on pseudo-random operands (an image of distinct rows, weights of the split
-    parts' magnitude, sums past fp16's range, an added Z of the sums' size) and hold sampled outputs (the first
+    """Run a freshly built plan once on pseudo-random operands (an image of distinct rows, then TAIL zero rows as
+    conv2d leaves after each chunk's image and GARBAGE rows of noise; weights of the split parts' magnitude,
+    sums past fp16's range, an added Z of the sums' size) and hold sampled outputs (the first
     two and last two rows, random ones; the edge columns and a random one; every output channel) against
     float64 on the host. Returns the worst |error| / bound, the bound K 2^-22 sum |terms| (float32 sums of
-    exact fp16 products, at their worst): an engine that reads the wrong rows or channels, drops the add or
-    overflows an fp16 intermediate fails it; one that only rounds worse may not."""
+    exact fp16 products, at their worst): an engine that reads the wrong rows or channels (or more than TAIL
+    rows past its image), drops the add or overflows an fp16 intermediate fails it; one that only rounds worse
+    may not."""
     from numba import cuda
     from .layout import random_bf16
     pad = taps // 2
     rng = np.random.default_rng(seed)
-    shape = ((rows + 2 * pad) * width, 2 * p)
+    live, extra = (rows + 2 * pad) * width, (TAIL + GARBAGE) * width
     if SIMULATED:                       # the simulator's threads are slow: the host's numbers
-        image = cuda.to_device(rng.uniform(-4, 4, shape).astype(np.float16).view(np.uint16))
+        bits = rng.uniform(-4, 4, (live + extra, 2 * p)).astype(np.float16).view(np.uint16)
+        bits[live:live + TAIL * width] = 0
+        image = cuda.to_device(bits)
     else:
-        image = cuda.device_array(shape, np.uint16)
+        image = cuda.device_array((live + extra, 2 * p), np.uint16)
         random_bf16(image.reshape(image.size), seed + 1)        # as fp16 bits: +-[0.25, 4), each its own
+        image[live:live + TAIL * width].copy_to_device(np.zeros((TAIL * width, 2 * p), np.uint16))
     w = (rng.standard_normal((o8, taps, taps, n)) * 2.0 ** 13).astype(np.float16)
     weights = cuda.to_device(w.view(np.uint16))
     y = cuda.device_array((rows * width, o8), np.float32)
@@ -141,7 +148,8 @@ def check(plan, rows, width, p, o8, taps, n, seed=0):
     space = cuda.device_array(max(1, plan.workspace_bytes), np.uint8)
     plan.graph.execute(pack, pointer(space), handle=_state["handle"])
     cuda.synchronize()
-    x = image.copy_to_host().view(np.float16).astype(np.float64).reshape(rows + 2 * pad, width, 2 * p)[..., :n]
+    x = image.copy_to_host()[:live].view(np.float16).astype(np.float64)
+    x = x.reshape(rows + 2 * pad, width, 2 * p)[..., :n]
     x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))                # the convolution's left and right padding
     got = y.copy_to_host().reshape(rows, width, o8)
     extra = 0 * got if z is None else z.copy_to_host().view(np.float32).astype(np.float64).reshape(rows, width, o8)

@@ -119,13 +119,15 @@ class ConvCudaOps:
         out = self.new((o, h, width))
         p, o8 = conv.part(c), conv.product_rows(o)
         rows = max(1, min(h, conv.COLUMN_BYTES // (width * 2 * p * 2) - 2 * pad))
-        image = self.new(((rows + 2 * pad) * width, 2 * p), np.uint16)
+        tail = cudnn_conv.TAIL
+        image = self.new(((rows + 2 * pad + tail) * width, 2 * p), np.uint16)
         ys = [self.new((rows * width, o8)) for _ in range(2)]
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
-            conv.split_image(src, peak, image[:(n + 2 * pad) * width], r0 - pad, up, norm, stream=self.stream)
+            conv.split_image(src, peak, image[:(n + 2 * pad + tail) * width], r0 - pad, up, norm, live=n + 2 * pad,
+                             stream=self.stream)
             space = self.new((cudnn_conv.workspace_bytes(n, width, c, o8, taps),), np.uint8)
             d = cudnn_conv.convolve(image[:(n + 2 * pad) * width], weights, [y[:n * width] for y in ys], n, width,
                                     c, taps, space, stream=self.stream)
