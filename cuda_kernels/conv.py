@@ -251,7 +251,7 @@ def _make_split_image(control, up, norm=False):
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
-    @jit
+    @jit(launch_bounds=(SPLIT_PX * ROWS, 3))    # three blocks an SM (at most 85 registers)
     def split_image(x, peak, words, rows, width, r0, half, live_rows, stats, gw, gb):
         """words = the image [rows W, 2 P] fp16 bits as 4-byte words [rows W, P]: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2); image row i is
@@ -301,7 +301,7 @@ def _make_gather(control, taps):
     to four channels."""
     pad = taps // 2
 
-    @jit
+    @jit(launch_bounds=(GATHER_THREADS, 5))     # five blocks an SM (at most 102 registers)
     def gather(image, cols, rows, width, cw, pw, qw, zero):
         """cols [rows W, 2 qw] words = the split columns of output rows 0.. of the chunk whose split image
         [(rows + 2 pad) W, 2 pw] words is `image` (image row i + dy holds the input of output row i's tap
