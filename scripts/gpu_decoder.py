@@ -12,6 +12,7 @@ float64 decode of the same statement on the GPU (plus our raw output's max abs e
     python scripts/gpu_decoder.py --profile      # also where each decode's time goes, kernel by kernel (CUPTI)
     python scripts/gpu_decoder.py --cudnn-convs plain zero  # also the decode with cuDNN's convolutions (experimental:
                                                  # cuda_kernels.cudnn_conv), a sum's first convolution in each FIRST form
+    python scripts/gpu_decoder.py --cudnn-ops plain  # which cuDNN convolution differs from the columns, and where
 
 --ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
 inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
@@ -146,8 +147,38 @@ def _op_errors(dec, latents):
     return worst
 
 
+def route_differences(ops, run, top=4):
+    """Run run() with each ops.conv2d call made on ops' route and again on the columns, same inputs: per call,
+    {"conv": shape, "rel": max |route - columns| / max |columns|, "rows": the rows of the largest
+    differences}, in call order (the route's output goes on, so each difference is that conv's own)."""
+    calls = []
+    route = ops.convs
+
+    def both(x, w, b=None, padding=0, residual=None):
+        out = type(ops).conv2d(ops, x, w, b, padding, residual)
+        ops.convs = "columns"
+        try:
+            ref = type(ops).conv2d(ops, x, w, b, padding, residual)
+        finally:
+            ops.convs = route
+        got, want = np.asarray(ops.host(out), np.float64), np.asarray(ops.host(ref), np.float64)
+        diff = np.abs(got - want).max(axis=(0, 2))            # per image row
+        scale = max(float(np.abs(want).max()), 1e-30)
+        calls.append({"conv": f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}",
+                      "rel": float(diff.max() / scale), "rows": [int(r) for r in np.argsort(diff)[::-1][:top]]})
+        return out
+
+    ops.conv2d = both
+    try:
+        run()
+    finally:
+        del ops.conv2d
+    return calls
+
+
+# --profile's rows: ours by name, the products (cuBLASLt) by theirs
 KERNELS = ("Memcpy", "split_image", "gather", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows",
-           "softmax", "unpack", "pixels", "zero", "copy")      # --profile's rows: ours by name, the products (cuBLASLt) by theirs
+           "softmax", "unpack", "pixels", "zero", "copy")
 
 
 def main(argv=None):
@@ -158,6 +189,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
+    parser.add_argument("--cudnn-ops", metavar="FIRST", choices=("plain", "scale", "zero"),
+                        help="one eager decode at each size with cuDNN's convolutions (FIRST form), each conv against "
+                             "the columns on the same input (route_differences), and the graph's pixels against the "
+                             "eager ones; then exit")
     parser.add_argument("--cudnn-convs", nargs="*", metavar="FIRST", choices=("plain", "scale", "zero"),
                         help="also our decode with cuDNN's convolutions in place of the columns (experimental), "
                              "once per form of a sum's first convolution (cudnn_conv.FIRST; none: plain)")
@@ -171,6 +206,29 @@ def main(argv=None):
         for kind, (calls, err, peak) in sorted(worst.items(), key=lambda kv: -kv[1][1]):
             print(f"{kind:28s} {calls:3d} calls  rel L2 {err:.3g}  max abs / max |ref| {peak:.3g}")
         (args.out / "decoder_ops.json").write_text(json.dumps({"size": args.ops, "ops": worst}, indent=1))
+        return 0
+
+    if args.cudnn_ops:
+        from cuda_kernels import cudnn_conv
+        from moss_cli.ops.cuda_decoder import CudaDecoder
+        cudnn_conv.FIRST = args.cudnn_ops
+        tensors, record = random_tensors(SMALL, args.seed), {"first": args.cudnn_ops, "sizes": {}}
+        for size in args.sizes:
+            h = size // 16
+            latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
+            eager = CudaDecoder(tensors, SMALL, graphs=False, convs="cudnn")
+            ops, d = eager.ops, eager.decoder
+            calls = route_differences(ops, lambda: d.decode_image(ops.unpack_latents(ops.array(latents[0]), d.bn_std,
+                                                                                      d.bn_mean)))
+            pixels = eager.decode(latents)
+            graphed = CudaDecoder(tensors, SMALL, convs="cudnn").decode(latents)
+            row = {"convs": calls, "graph_vs_eager": off(graphed, pixels),
+                   "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()}}
+            record["sizes"][f"{size}x{size}"] = row
+            for call in calls:
+                print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']}", flush=True)
+            print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
+        (args.out / f"decoder_cudnn_ops_{args.cudnn_ops}.json").write_text(json.dumps(record, indent=1))
         return 0
 
     import torch
