@@ -102,6 +102,7 @@ def _plan(rows, width, p, o8, taps, n, add):
     if key not in plans:
         plan = _Plan(rows, width, p, o8, taps, n, add, first)
         worst = check(plan, rows, width, p, o8, taps, n)
+        _state.setdefault("checked", {})[key[1:]] = worst       # each plan's margin, for the record
         if not worst <= 1:                                      # NaN fails too
             raise RuntimeError(f"the cuDNN plan for {key[1:]} failed its check: error {worst:.3g} x its bound")
         plans[key] = plan

@@ -223,7 +223,8 @@ def main(argv=None):
             pixels = eager.decode(latents)
             graphed = CudaDecoder(tensors, SMALL, convs="cudnn").decode(latents)
             row = {"convs": calls, "graph_vs_eager": off(graphed, pixels),
-                   "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()}}
+                   "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
+                   "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()}}
             record["sizes"][f"{size}x{size}"] = row
             for call in calls:
                 print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']}", flush=True)
