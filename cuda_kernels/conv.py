@@ -24,7 +24,7 @@ TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / split_image block
 PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
 SPLIT_PX = 4 if SIMULATED else 32      # pixels (of one image row) of a split_image block
-SPLIT_CH = 64                              # channels of a split_image block (divides PART)
+SPLIT_CH = 16 if SIMULATED else 64     # channels of a split_image block (divides PART)
 GATHER_PX = 4 if SIMULATED else 32     # output pixels (of one image row) of a gather block
 GATHER_THREADS = 32 if SIMULATED else 128
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
@@ -247,7 +247,8 @@ def _make_split_image(control, up, norm=False):
 
     A block takes a tile of SPLIT_PX pixels of one image row and SPLIT_CH channels: it reads the tile along
     the row (coalesced), makes each value (norm), scales and splits it once into a (hi, lo) word in shared
-    memory, then writes the tile's pixels along their channels, two channels a 4-byte word (coalesced)."""
+    memory, then writes the tile's pixels along their channels, two channels a 4-byte word (coalesced); the
+    blocks of the last channel tile also write the zero channels up to P."""
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
@@ -265,6 +266,8 @@ def _make_split_image(control, up, norm=False):
         c0 = cuda.blockIdx.y * SPLIT_CH
         per_row = (width + SPLIT_PX - 1) // SPLIT_PX
         tid, threads, pairs = ty * cuda.blockDim.x + tx, cuda.blockDim.x * cuda.blockDim.y, SPLIT_CH // 2
+        # word pairs a pixel's row gets from this block: its tile's, and the last block the zeros up to P
+        span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
             y, xx = r0 + i, x0 + tx
@@ -277,21 +280,28 @@ def _make_split_image(control, up, norm=False):
             cuda.syncthreads()                           # the previous tile's reads of sh are done
             for j in range(PER_THREAD):
                 c = c0 + ty + j * ROWS
-                v = got[j]
-                if norm and live and c < c_in:
-                    v = _gn_silu(v, c, stats, gw, gb)
-                v *= s
-                hi = to_half(v)
-                lo = to_half(v - from_half(hi)) if not control else uint16(0)
-                sh[ty + j * ROWS, tx] = uint32(hi) | (uint32(lo) << uint32(16))
+                word = uint32(0)                         # zero rows, columns and channels: no conversions
+                if live and c < c_in:
+                    v = got[j]
+                    if norm:
+                        v = _gn_silu(v, c, stats, gw, gb)
+                    v *= s
+                    hi = to_half(v)
+                    lo = to_half(v - from_half(hi)) if not control else uint16(0)
+                    word = uint32(hi) | (uint32(lo) << uint32(16))
+                sh[ty + j * ROWS, tx] = word
             cuda.syncthreads()
-            for k in range(tid, pairs * SPLIT_PX, threads):
-                pr, px = k % pairs, k // pairs
+            for k in range(tid, span * SPLIT_PX, threads):
+                pr, px = k % span, k // span
                 if x0 + px < width:
-                    a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
+                    lo_pair, hi_pair = uint32(0), uint32(0)
+                    if pr < pairs:
+                        a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
+                        hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
+                        lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
                     at = (i * width + x0 + px) * 2 * half + c0 // 2 + pr
-                    words[at] = (a & uint32(0xFFFF)) | (b << uint32(16))
-                    words[at + half] = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+                    words[at] = hi_pair
+                    words[at + half] = lo_pair
     return split_image
 
 
@@ -519,7 +529,7 @@ def split_image(x, peak, image, r0, up=False, norm=None, live=None, stream=0, co
     width = 2 * x.shape[2] if up else x.shape[2]
     rows, p = image.shape[0] // width, image.shape[1] // 2
     tiles = rows * -(-width // SPLIT_PX)
-    grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), p // SPLIT_CH)
+    grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
     _make_split_image(control, up, norm is not None)[grid, (SPLIT_PX, ROWS), stream](
         x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,

@@ -85,8 +85,10 @@ class _Plan:
         self.workspace_bytes = build(g)
 
 
-TAIL = 8              # zero image rows after each chunk's image: what an engine reading past its image meets
-GARBAGE = 8           # rows of noise after those in check's image: an engine reading further fails the check
+# zero image rows after each chunk's image (what an engine reading past its image meets; the simulator's
+# chunks are a row or two: one), then rows of noise after those in check's image (an engine reading further fails)
+TAIL = 1 if SIMULATED else 8
+GARBAGE = 2 if SIMULATED else 8
 FIRST = "plain"       # the first convolution of a sum: "plain", "scale" (conv * 1) or "zero" (conv + zeros)
 
 
