@@ -120,16 +120,17 @@ class ConvCudaOps:
         p, o8 = conv.part(c), conv.product_rows(o)
         rows = max(1, min(h, conv.COLUMN_BYTES // (width * 2 * p * 2) - 2 * pad))
         tail = cudnn_conv.TAIL
-        image = self.new(((rows + 2 * pad + tail) * width, 2 * p), np.uint16)
+        image = self.new(((conv.image_rows(rows, taps) + tail) * width, 2 * p), np.uint16)
         ys = [self.new((rows * width, o8)) for _ in range(2)]
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
-            conv.split_image(src, peak, image[:(n + 2 * pad + tail) * width], r0 - pad, up, norm, live=n + 2 * pad,
+            live = conv.image_rows(n, taps)
+            conv.split_image(src, peak, image[:(live + tail) * width], r0 - pad, up, norm, live=live,
                              stream=self.stream)
             space = self.new((cudnn_conv.workspace_bytes(n, width, c, o8, taps),), np.uint8)
-            d = cudnn_conv.convolve(image[:(n + 2 * pad) * width], weights, [y[:n * width] for y in ys], n, width,
+            d = cudnn_conv.convolve(image[:live * width], weights, [y[:n * width] for y in ys], n, width,
                                     c, taps, space, stream=self.stream)
             conv.finish(d[:, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
