@@ -162,10 +162,13 @@ def route_differences(ops, run, top=4):
         finally:
             ops.convs = route
         got, want = np.asarray(ops.host(out), np.float64), np.asarray(ops.host(ref), np.float64)
-        diff = np.abs(got - want).max(axis=(0, 2))            # per image row
+        full = np.abs(got - want)
+        diff, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))            # per image row, per column
         scale = max(float(np.abs(want).max()), 1e-30)
         calls.append({"conv": f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}",
-                      "rel": float(diff.max() / scale), "rows": [int(r) for r in np.argsort(diff)[::-1][:top]]})
+                      "rel": float(diff.max() / scale), "rows": [int(r) for r in np.argsort(diff)[::-1][:top]],
+                      "cols": [int(c) for c in np.argsort(by_col)[::-1][:top]],
+                      "rows_over": int(np.count_nonzero(diff > 1e-4 * scale))})
         return out
 
     ops.conv2d = both
@@ -226,7 +229,8 @@ def main(argv=None):
                    "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()}}
             record["sizes"][f"{size}x{size}"] = row
             for call in calls:
-                print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']}", flush=True)
+                print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} cols {call['cols']} "
+                      f"rows over 1e-4: {call['rows_over']}", flush=True)
             print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
         (args.out / f"decoder_cudnn_ops_{args.cudnn_ops}.json").write_text(json.dumps(record, indent=1))
         return 0

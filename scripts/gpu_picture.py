@@ -40,6 +40,24 @@ class Clock(Silent):
             self.first_step = time.perf_counter()
 
 
+def _parts(model, lat, png, size, seed):
+    """Seconds of the pieces around the GPU work, each timed again on its own after the picture: the noise
+    (on the host), the decoder's pixels alone (GPU, copied out) and the PNG written from them."""
+    from moss_cli import noise
+    from moss_cli.png import encode_png
+    shape = lat.tensors["latents"].shape
+    t0 = time.perf_counter()
+    noise.randn(shape, seed)
+    t1 = time.perf_counter()
+    pixels = model.decoder.decode(lat.tensors["latents"]) if model.device == "cuda" and png else None
+    t2 = time.perf_counter()
+    if pixels is not None:
+        encode_png(pixels, {"parameters": "x" * 400})
+    t3 = time.perf_counter()
+    return {"noise_s": t1 - t0, "decode_pixels_s": t2 - t1 if pixels is not None else None,
+            "png_s": t3 - t2 if pixels is not None else None}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -85,11 +103,16 @@ def main():
                    "denoise_decode_s": t3 - t1, "picture_s": t3 - t0,
                    "dit_gpu_ms_per_step": getattr(model.transformer, "timings", {"gpu_s": 0.0})["gpu_s"]
                    / args.steps * 1e3}
+            timings = getattr(model.transformer, "timings", {})
+            row["dit_loop_s"] = timings.get("wall_s", 0.0)        # denoise_s less this: the stage's own work
+            row.update(_parts(model, lat, png, size, opts.seed))
             if clock.first_step is not None and not out["pictures"]:
                 out["start_to_first_step_s"] = clock.first_step - START
             out["pictures"].append(row)
             if png and rep == 0:
                 (folder / f"picture-{size}.png").write_bytes(png)
+            print(f"{size}x{size} #{rep}: noise {row['noise_s']:.3f} s, DiT loop {row['dit_loop_s']:.2f} s, pixels "
+                  f"{row['decode_pixels_s'] or 0:.3f} s, PNG {row['png_s'] or 0:.3f} s (each again, alone)", flush=True)
             print(f"{size}x{size} #{rep}: encode {row['encode_s']:.2f} s, denoise {row['denoise_s']:.2f} s "
                   f"({row['dit_gpu_ms_per_step']:.1f} ms/step on the GPU), decode {row['decode_s']:.3f} s, "
                   f"picture {row['picture_s']:.2f} s", flush=True)
