@@ -188,14 +188,18 @@ def norm_modulate_bound(x, w, shift, scale, d):
 # head, twice the bytes in flight each). The 8-byte form is the default: a 1024 step took 182.2 ms with it
 # against 183.9 with 4-byte words in one H200 run; gpu_dit.py times the 4-byte form beside it.
 QK_WIDTH = 4
+# Heads a team takes in a row (qk_group: the largest divisor of the heads up to this): the token's cos and sin
+# and the weights at the thread's elements are read once for them, not once a head.
+QK_GROUP = 8
 
 
 @functools.cache
-def _qk_norm_rope(control, team, per, width=2):
-    """One team per (token, head), the head's d elements in registers as per words of `width` bf16 each
-    (team x per x width = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the
-    rotate-half pairs). Heads from `split` on take the second weight and go to the second output (q and k in
-    one launch, each into its own contiguous array). Control: rotates the other way."""
+def _qk_norm_rope(control, team, per, width=2, group=1):
+    """One team per (token, `group` heads in a row), the head's d elements in registers as per words of `width`
+    bf16 each (team x per x width = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the
+    rotate-half pairs). The token's cos and sin and both weights at the thread's elements are read once for
+    its group. Heads from `split` on take the second weight and go to the second output (q and k in one
+    launch, each into its own contiguous array). Control: rotates the other way."""
     half, size = per // 2, width * per
     word = uint32 if width == 2 else uint64
 
@@ -203,41 +207,50 @@ def _qk_norm_rope(control, team, per, width=2):
     def qk_norm_rope(x, w, w2, split, cos, sin, out, out2, eps):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(size, float32)
+        wa_, wb_ = cuda.local.array(size, float32), cuda.local.array(size, float32)
+        cs, sn = cuda.local.array(size, float32), cuda.local.array(size, float32)
         tokens, heads, words = x.shape
-        rows = tokens * heads
+        groups = (heads + group - 1) // group
+        rows = tokens * groups
         row = cuda.blockIdx.x * (BLOCK // team) + cuda.threadIdx.x // team
         lane = cuda.threadIdx.x % team
         live = row < rows
         row = min(row, rows - 1)
-        t, h = uint64(row // heads), uint64(row % heads)
-        acc = float32(0.0)
-        for j in range(per):
-            bits = x[t, h, uint64(lane + j * team)]
+        t, h0 = uint64(row // groups), uint64((row % groups) * group)
+        for j in range(per):                       # the thread's elements: weights, and cos / sin of the pairs
             for e in range(width):
-                v = widen(uint16((bits >> word(16 * e)) & word(0xFFFF)))
-                vals[width * j + e] = v
-                acc += v * v
-        inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(width * words) + eps)
-        if not live:
-            return
-        second = h >= uint64(split)
-        wt = w2 if second else w
-        dst = out2 if second else out
-        ho = h - uint64(split) if second else h
-        for j in range(half):
-            wa, wb = lane + j * team, lane + (j + half) * team       # word indices, d / 2 elements apart
-            lo_a, lo_b = word(0), word(0)
-            for e in range(width):
-                ia, ib = uint64(width * wa + e), uint64(width * wb + e)
-                a = (vals[width * j + e] * inv) * wt[ia]
-                b = (vals[width * (j + half) + e] * inv) * wt[ib]
-                c, sn = cos[t, ia], sin[t, ia]
-                if control:
-                    sn = -sn
-                lo_a |= word(narrow(a * c - b * sn)) << word(16 * e)
-                lo_b |= word(narrow(b * c + a * sn)) << word(16 * e)
-            dst[t, ho, uint64(wa)] = lo_a
-            dst[t, ho, uint64(wb)] = lo_b
+                i = uint64(width * (lane + j * team) + e)
+                wa_[width * j + e] = w[i]
+                wb_[width * j + e] = w2[i]
+                if j < half:
+                    cs[width * j + e] = cos[t, i]
+                    sn[width * j + e] = -sin[t, i] if control else sin[t, i]
+        for k in range(group):
+            h = h0 + uint64(k)
+            hr = min(h, uint64(heads - 1))         # every lane takes part in the sum; a head past the end stores nothing
+            acc = float32(0.0)
+            for j in range(per):
+                bits = x[t, hr, uint64(lane + j * team)]
+                for e in range(width):
+                    v = widen(uint16((bits >> word(16 * e)) & word(0xFFFF)))
+                    vals[width * j + e] = v
+                    acc += v * v
+            inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(width * words) + eps)
+            if live and h < uint64(heads):
+                second = h >= uint64(split)
+                dst = out2 if second else out
+                ho = h - uint64(split) if second else h
+                for j in range(half):
+                    lo_a, lo_b = word(0), word(0)
+                    for e in range(width):
+                        ia, ib = width * j + e, width * (j + half) + e
+                        a = (vals[ia] * inv) * (wb_[ia] if second else wa_[ia])
+                        b = (vals[ib] * inv) * (wb_[ib] if second else wa_[ib])
+                        c, si = cs[ia], sn[ia]
+                        lo_a |= word(narrow(a * c - b * si)) << word(16 * e)
+                        lo_b |= word(narrow(b * c + a * si)) << word(16 * e)
+                    dst[t, ho, uint64(lane + j * team)] = lo_a
+                    dst[t, ho, uint64(lane + (j + half) * team)] = lo_b
     return qk_norm_rope
 
 
@@ -247,6 +260,11 @@ def _qk_geometry(d, width=2):
     while team > 1 and (d % (width * team) or (d // (width * team)) % 2):
         team //= 2
     return team, d // (width * team)
+
+
+def qk_group(heads, most=None):
+    """Heads a team takes in a row: the largest of `most` (None: QK_GROUP), ..., 1 that divides `heads`."""
+    return max(g for g in range(1, (most or QK_GROUP) + 1) if heads % g == 0)
 
 
 def qk_norm_rope_fits(d, r, width=2):
@@ -272,11 +290,12 @@ def _words3(a, width=2):
                                          f"<u{item}"))
 
 
-def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, out2=None, stream=0, control=False, width=None):
+def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, out2=None, stream=0, control=False, width=None, group=None):
     """out [L, H, d] bf16 bits = rope(rms_norm(x) w) for bf16-bit heads x [L, H, d] (any token and head
     strides, unit element stride: a column block of the fused qkv product); with w2 and out2, x holds the
     q heads then as many k heads ([L, 2H, d]: one launch), the k heads normed with w2 into out2.
-    cos, sin [L, d / 2] float32; rotate-half over the whole head. width: bf16 values a word (QK_WIDTH)."""
+    cos, sin [L, d / 2] float32; rotate-half over the whole head. width: bf16 values a word (QK_WIDTH); group:
+    at most this many heads a team (qk_group; None: QK_GROUP)."""
     width = width or QK_WIDTH
     tokens, heads, d = x.shape
     split = heads if out2 is None else heads // 2
@@ -285,8 +304,9 @@ def qk_norm_rope(x, w, cos, sin, out, eps, w2=None, out2=None, stream=0, control
         raise ValueError(f"qk_norm_rope: heads {tuple(x.shape)} with {cos.shape[1]} rotary pairs do not fit "
                          f"{width}-element words")
     team, per = _qk_geometry(d, width)
-    grid = -(-(tokens * heads) // (BLOCK // team))
-    _qk_norm_rope(control, team, per, width)[grid, BLOCK, stream](words[0], w, w if w2 is None else w2, split, cos,
+    group = qk_group(heads, group)
+    grid = -(-(tokens * -(-heads // group)) // (BLOCK // team))
+    _qk_norm_rope(control, team, per, width, group)[grid, BLOCK, stream](words[0], w, w if w2 is None else w2, split, cos,
                                                                   sin, words[1], words[2], np.float32(eps))
 
 

@@ -15,6 +15,7 @@ from cuda_kernels.core import SIMULATED, DeviceView
 class DitCudaOps:
     use_cudnn = True           # attention on bf16 heads through cuDNN where it loads (else flash)
     qk_width = None            # bf16 values a word in the q/k norm + RoPE kernel (None: dit.QK_WIDTH)
+    qk_group = None            # heads a team there (None: dit.QK_GROUP)
 
     def situ(self, hidden, gate):
         """SiTU-GLU of bf16 halves (any strides) -> bf16 bits [L, F], the down product's operand."""
@@ -40,7 +41,7 @@ class DitCudaOps:
 
     def _bf16_norm_rope(self, x, w, cos, sin, eps):
         out = self.new(x.shape, np.uint16)
-        dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream, width=self.qk_width)
+        dit.qk_norm_rope(x, w, cos, sin, out, eps, stream=self.stream, width=self.qk_width, group=self.qk_group)
         return out
 
     def qk_norm_rope(self, q, k, wq, wk, cos, sin, eps):
@@ -57,7 +58,8 @@ class DitCudaOps:
             return self.rms_norm_rope(q, wq, cos, sin, eps), self.rms_norm_rope(k, wk, cos, sin, eps)
         both = cuda.as_cuda_array(DeviceView(q, (L, 2 * H, d), q.strides), sync=False)
         q_out, k_out = self.new(q.shape, np.uint16), self.new(k.shape, np.uint16)
-        dit.qk_norm_rope(both, wq, cos, sin, q_out, eps, w2=wk, out2=k_out, stream=self.stream, width=self.qk_width)
+        dit.qk_norm_rope(both, wq, cos, sin, q_out, eps, w2=wk, out2=k_out, stream=self.stream, width=self.qk_width,
+                         group=self.qk_group)
         return q_out, k_out
 
     def bf16_attention(self, q, k, v, scale):
