@@ -90,17 +90,9 @@ class _Plan:
 TAIL = 1 if SIMULATED else 8
 GARBAGE = 2 if SIMULATED else 8
 FIRST = "plain"       # the first convolution of a sum: "plain", "scale" (conv * 1) or "zero" (conv + zeros)
-# FRESH: each execution of a pass (a decode) its own plan, the n-th execution of a geometry in every pass the
-# same one (new_pass() starts the count); else one plan per geometry, executed wherever it occurs
-FRESH = False
 
 
-def new_pass():
-    """Start a pass's count of executions per geometry (FRESH plans)."""
-    _state["ordinals"] = {}
-
-
-def _plan(rows, width, p, o8, taps, n, add, fresh=False):
+def _plan(rows, width, p, o8, taps, n, add):
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
@@ -109,17 +101,6 @@ def _plan(rows, width, p, o8, taps, n, add, fresh=False):
         add, first = True, None
     key = ("conv", rows, width, p, o8, taps, n, add, first)
     plans = _state.setdefault("plans", {})
-    if fresh:
-        ordinals = _state.setdefault("ordinals", {})
-        ordinal = ordinals[key] = ordinals.get(key, -1) + 1
-        base = _plan(rows, width, p, o8, taps, n, add)           # built and checked once per geometry
-        if ordinal == 0:
-            return base
-        if key + (ordinal,) not in plans:
-            plan = plans[key + (ordinal,)] = _Plan(rows, width, p, o8, taps, n, add, first)
-            if plan.workspace_bytes > base.workspace_bytes:
-                raise RuntimeError(f"a fresh cuDNN plan for {key[1:]} asks for more workspace than its geometry's")
-        return plans[key + (ordinal,)]
     if key not in plans:
         plan = _Plan(rows, width, p, o8, taps, n, add, first)
         worst = check(plan, rows, width, p, o8, taps, n)
@@ -209,7 +190,7 @@ def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
     cudnn.set_stream(handle, stream_handle(stream))
     z, offset = None, 0
     for i, (first, n, _) in enumerate(plan_convs(c, taps)):
-        plan = _plan(rows, width, p, o8, taps, n, z is not None, fresh=FRESH)
+        plan = _plan(rows, width, p, o8, taps, n, z is not None)
         y = ys[i % 2]
         pack = {plan.x: pointer(image) + 2 * first, plan.y: pointer(y), plan.w: pointer(weights) + 2 * offset}
         if plan.z is not None:

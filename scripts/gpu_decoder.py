@@ -179,54 +179,48 @@ def route_differences(ops, run, top=4):
     return calls
 
 
-def graph_probe(tensors, config, latents, fresh):
+def graph_probe(tensors, config, latents):
     """The cuDNN route's conv outputs in a captured graph against an eager decode's, conv by conv: each conv's
-    output copied, inside the graph, into a buffer of its own (outside the pool) and compared after a replay;
-    with `fresh`, every execution in a pass its own cuDNN plan (cudnn_conv.FRESH)."""
+    output copied, inside the graph, into a buffer of its own (outside the pool) and compared after a replay."""
     from numba import cuda
-    from cuda_kernels import cudnn_conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
     from moss_cli.ops.cuda_table import numba_stream
-    cudnn_conv.FRESH = fresh
-    try:
-        eager = CudaDecoder(tensors, config, graphs=False, convs="cudnn")
-        want, shapes = [], []
+    eager = CudaDecoder(tensors, config, graphs=False, convs="cudnn")
+    want, shapes = [], []
 
-        def keep(x, w, b=None, padding=0, residual=None, _ops=eager.ops):
-            out = type(_ops).conv2d(_ops, x, w, b, padding, residual)
-            want.append(np.asarray(_ops.host(out), np.float64))
-            shapes.append(f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}")
-            return out
+    def keep(x, w, b=None, padding=0, residual=None, _ops=eager.ops):
+        out = type(_ops).conv2d(_ops, x, w, b, padding, residual)
+        want.append(np.asarray(_ops.host(out), np.float64))
+        shapes.append(f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}")
+        return out
 
-        eager.ops.conv2d = keep
-        pixels = eager.decode(latents)
-        graphed = CudaDecoder(tensors, config, convs="cudnn")
-        ops, probes, count = graphed.ops, [], [0]
+    eager.ops.conv2d = keep
+    pixels = eager.decode(latents)
+    graphed = CudaDecoder(tensors, config, convs="cudnn")
+    ops, probes, count = graphed.ops, [], [0]
 
-        def probe(x, w, b=None, padding=0, residual=None):
-            out = type(ops).conv2d(ops, x, w, b, padding, residual)
-            i = count[0] % len(want)
-            count[0] += 1
-            if len(probes) <= i:                 # the eager pass before the capture: a buffer of its own
-                probes.append(cuda.device_array(out.shape, np.float32))
-            probes[i].copy_to_device(out, stream=numba_stream(ops.stream))
-            return out
+    def probe(x, w, b=None, padding=0, residual=None):
+        out = type(ops).conv2d(ops, x, w, b, padding, residual)
+        i = count[0] % len(want)
+        count[0] += 1
+        if len(probes) <= i:                 # the eager pass before the capture: a buffer of its own
+            probes.append(cuda.device_array(out.shape, np.float32))
+        probes[i].copy_to_device(out, stream=numba_stream(ops.stream))
+        return out
 
-        ops.conv2d = probe
-        graph_pixels = graphed.decode(latents)
-        calls = []
-        for i, (ref, name) in enumerate(zip(want, shapes)):
-            got = probes[i].copy_to_host().astype(np.float64)
-            full = np.abs(got - ref)
-            by_row, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))
-            scale = max(float(np.abs(ref).max()), 1e-30)
-            calls.append({"conv": name, "rel": float(full.max() / scale),
-                          "rows": [int(r) for r in np.argsort(by_row)[::-1][:4]],
-                          "cols": [int(c) for c in np.argsort(by_col)[::-1][:4]],
-                          "rows_over": int(np.count_nonzero(by_row > 1e-4 * scale))})
-        return {"fresh": fresh, "convs": calls, "graph_vs_eager": off(graph_pixels, pixels)}
-    finally:
-        cudnn_conv.FRESH = False
+    ops.conv2d = probe
+    graph_pixels = graphed.decode(latents)
+    calls = []
+    for i, (ref, name) in enumerate(zip(want, shapes)):
+        got = probes[i].copy_to_host().astype(np.float64)
+        full = np.abs(got - ref)
+        by_row, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))
+        scale = max(float(np.abs(ref).max()), 1e-30)
+        calls.append({"conv": name, "rel": float(full.max() / scale),
+                      "rows": [int(r) for r in np.argsort(by_row)[::-1][:4]],
+                      "cols": [int(c) for c in np.argsort(by_col)[::-1][:4]],
+                      "rows_over": int(np.count_nonzero(by_row > 1e-4 * scale))})
+    return {"convs": calls, "graph_vs_eager": off(graph_pixels, pixels)}
 
 
 # --profile's rows: ours by name, the products (cuBLASLt) by theirs
@@ -247,13 +241,11 @@ def main(argv=None):
                              "the columns on the same input (route_differences), and the graph's pixels against the "
                              "eager ones; then exit")
     parser.add_argument("--cudnn-graph-probe", action="store_true",
-                        help="the cuDNN route's graph conv by conv against an eager decode, with one plan per geometry "
-                             "and with a fresh plan per execution (graph_probe), at each size; then exit")
-    parser.add_argument("--cudnn-convs", nargs="*", metavar="FORM",
-                        choices=("plain", "scale", "zero", "plain-fresh", "scale-fresh", "zero-fresh"),
+                        help="the cuDNN route's graph conv by conv against an eager decode (graph_probe), at each "
+                             "size; then exit")
+    parser.add_argument("--cudnn-convs", nargs="*", metavar="FIRST", choices=("plain", "scale", "zero"),
                         help="also our decode with cuDNN's convolutions in place of the columns (experimental), "
-                             "once per form: a sum's first convolution (cudnn_conv.FIRST; none: plain), -fresh: a "
-                             "plan per execution (cudnn_conv.FRESH)")
+                             "once per form of a sum's first convolution (cudnn_conv.FIRST; none: plain)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -271,18 +263,16 @@ def main(argv=None):
         for size in args.sizes:
             h = size // 16
             latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
-            for fresh in (False, True):
-                t0 = time.perf_counter()
-                row = graph_probe(tensors, SMALL, latents, fresh)
-                row["seconds"] = time.perf_counter() - t0
-                record[f"{size}x{size} fresh={fresh}"] = row
-                for call in row["convs"]:
-                    if call["rel"] > 1e-5:
-                        print(f"{size} fresh={fresh} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} "
-                              f"cols {call['cols']} rows over 1e-4: {call['rows_over']}", flush=True)
-                print(f"{size} fresh={fresh}: graph vs eager pixels {row['graph_vs_eager']} "
-                      f"({row['seconds']:.0f} s)", flush=True)
-                (args.out / "decoder_cudnn_graph_probe.json").write_text(json.dumps(record, indent=1))
+            t0 = time.perf_counter()
+            row = graph_probe(tensors, SMALL, latents)
+            row["seconds"] = time.perf_counter() - t0
+            record[f"{size}x{size}"] = row
+            for call in row["convs"]:
+                if call["rel"] > 1e-5:
+                    print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} "
+                          f"cols {call['cols']} rows over 1e-4: {call['rows_over']}", flush=True)
+            print(f"{size}: graph vs eager pixels {row['graph_vs_eager']} ({row['seconds']:.0f} s)", flush=True)
+            (args.out / "decoder_cudnn_graph_probe.json").write_text(json.dumps(record, indent=1))
         return 0
 
     if args.cudnn_ops:
@@ -357,17 +347,15 @@ def main(argv=None):
                                                           ref_pixels)
         del t32
         torch.cuda.empty_cache()
-        for form in ([] if args.cudnn_convs is None else args.cudnn_convs or ["plain"]):
+        for first in ([] if args.cudnn_convs is None else args.cudnn_convs or ["plain"]):
             from cuda_kernels import cudnn_conv
-            first, _, fresh = form.partition("-")
-            cudnn_conv.FIRST, cudnn_conv.FRESH = first, bool(fresh)
-            name = "ours_cudnn_convs" + ("" if form == "plain" else f"_{form.replace('-', '_')}")
+            cudnn_conv.FIRST = first
+            name = "ours_cudnn_convs" + ("" if first == "plain" else f"_{first}")
             variant = CudaDecoder(tensors, SMALL, convs="cudnn")
             t0 = time.perf_counter()
             got = variant.decode(latents)
             row[f"{name}_first_call_s"] = time.perf_counter() - t0      # the plans built and checked, the capture
             row[f"{name}_ms"] = ours_ms(variant, latents, args.replays)
-            cudnn_conv.FRESH = False
             if ref_pixels is not None:
                 row[f"{name}_vs_float64"] = off(got, ref_pixels)
                 row[f"{name}_where_off"] = where_off(got, ref_pixels)

@@ -58,9 +58,6 @@ class CudaDecoder:
     def _run(self, latents):
         """The ops of one decode from device latents [128, h, w]; returns the device pixels."""
         ops, d = self.ops, self.decoder
-        if ops.convs == "cudnn":
-            from cuda_kernels import cudnn_conv
-            cudnn_conv.new_pass()
         z = ops.unpack_latents(latents, d.bn_std, d.bn_mean)
         return ops.to_pixels(d.decode_image(z))
 
