@@ -79,10 +79,19 @@ def test_fma32_rounds_once_like_a_hardware_fma():
     a = np.append(a, np.float32(2**-24 * (1 + 2**-18)))
     b = np.append(b, np.float32(1 - 2**-18))
     c = np.append(c, np.float32(1 + 2**-23))
+    # sums in float32's subnormal range, where its halfway points lie at other bits of a float64; the last one
+    # is just under the midpoint between 2^-127 + 2^-149 and the next float, and a float64 midpoint again
+    tiny = rng.normal(size=(3, 200)).astype(np.float32) * np.float32(2**-66)
+    a = np.append(a, np.append(tiny[0], np.float32(2**-75 * (1 + 2**-23))))
+    b = np.append(b, np.append(tiny[1], np.float32(2**-75 * (1 - 2**-23))))
+    c = np.append(c, np.append(tiny[2] * np.float32(2**-10), np.float32(2**-127 + 2**-149)))
     exact = [round_to_float32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
     assert same_bits(noise.fma32(a, b, c), np.array(exact, dtype=np.float32))
-    assert noise.fma32(a[-1:], b[-1:], c[-1:])[0] == np.float32(1 + 2**-23)
-    assert np.float32(np.float64(a[-1]) * np.float64(b[-1]) + np.float64(c[-1])) == np.float32(1 + 2**-22)
+    m = 3000
+    assert noise.fma32(a[m:m + 1], b[m:m + 1], c[m:m + 1])[0] == np.float32(1 + 2**-23)
+    assert np.float32(np.float64(a[m]) * np.float64(b[m]) + np.float64(c[m])) == np.float32(1 + 2**-22)
+    assert noise.fma32(a[-1:], b[-1:], c[-1:])[0] == np.float32(2**-127 + 2**-149)
+    assert np.float32(np.float64(a[-1]) * np.float64(b[-1]) + np.float64(c[-1])) == np.float32(2**-127 + 2**-148)
 
 
 GENERIC_SCRIPT = """
