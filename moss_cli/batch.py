@@ -181,9 +181,32 @@ def keep_names(picture, several):
     return f"prompt-{picture.prompt.index}.enc", f"latents-{picture.prompt.index}-{picture.seed}.lat"
 
 
+def _write_png(path, pixels, text):
+    from .png import encode_png
+    artifacts.write(path, encode_png(pixels, text))
+
+
 def run(pictures, options, negative, model_for, fingerprint, keep, progress):
     """Make every picture, yielding (picture, note) as each is written: each distinct prompt text encoded
-    once, then its seeds denoised and decoded in turn; the kept ENC and LAT written as soon as they exist."""
+    once, then its seeds denoised and decoded in turn; the kept ENC and LAT written as soon as they exist.
+    A picture's PNG is compressed and written in a second thread while the next picture is made (zlib runs
+    without the GIL); its (picture, note) comes once it is written, and a failed write raises then."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png") as writer:
+        pending = None
+        for picture, note, pixels, text in _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+            written = writer.submit(_write_png, picture.path, pixels, text)
+            if pending is not None:
+                pending[2].result()
+                yield pending[:2]
+            pending = (picture, note, written)
+        if pending is not None:
+            pending[2].result()
+            yield pending[:2]
+
+
+def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+    """(picture, note, pixels, PNG text) of every picture in turn (run's order and kept files)."""
     several = len(pictures) > 1
     groups = {}
     for picture in pictures:
@@ -205,8 +228,8 @@ def run(pictures, options, negative, model_for, fingerprint, keep, progress):
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
-            artifacts.write(picture.path, stages.decode(model_for("decode"), lat))
+            pixels, text = stages.decode_pixels(model_for("decode"), lat)
             notes = [f"picture {number}/{len(pictures)}"] if several else []
             if keep is not None:
                 notes.append(f"ENC and LAT kept in {keep}")
-            yield picture, f" ({'; '.join(notes)})" if notes else ""
+            yield picture, f" ({'; '.join(notes)})" if notes else "", pixels, text

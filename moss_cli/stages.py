@@ -279,6 +279,11 @@ def png_parameters(lat):
 def decode(model, lat):
     """PNG bytes for a LAT artifact."""
     from .png import encode_png
+    return encode_png(*decode_pixels(model, lat))
+
+
+def decode_pixels(model, lat):
+    """(pixels uint8 [H, W, 3], the PNG's text) for a LAT artifact: what `decode` writes as PNG."""
     from .vae import to_pixels
 
     x = lat.tensors.get("latents")
@@ -295,4 +300,4 @@ def decode(model, lat):
     # the GPU decoder rounds to uint8 on the device (ops.cuda_decoder); the CPU's pixels are vae.to_pixels
     pixels = decoder.decode(x) if model.device == "cuda" else to_pixels(decoder(x))
     params = png_parameters(lat)
-    return encode_png(pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)})
+    return pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)}

@@ -174,3 +174,41 @@ def test_progress_eta_counts_the_steps_after_the_first():
     lines = progress.console.file.getvalue().splitlines()
     assert re.search(r"step 1/4  sigma 1\.0000 -> 0\.7500  elapsed 1m40s  ETA 5m0\ds$", lines[0]), lines
     assert re.search(r"step 2/4  sigma 0\.7500 -> 0\.5000  elapsed 1m50s  ETA 20\.\ds$", lines[1]), lines
+
+
+def test_pngs_are_written_behind_the_next_picture_in_order_and_a_failed_write_raises(monkeypatch):
+    """batch.run writes each PNG in a second thread while the next picture is made: the pictures come out in
+    order, each once its file is written, and a write that fails raises before the run goes on."""
+    import threading
+    made, written = [], []
+
+    def fake_made(pictures, *args):
+        for p in pictures:
+            made.append(p)
+            yield p, "", None, {}
+
+    def fake_write(path, pixels, text):
+        assert threading.current_thread() is not threading.main_thread()
+        if path == "bad":
+            raise UsageError("bad: cannot write")
+        written.append(path)
+
+    monkeypatch.setattr(batch, "_made", fake_made)
+    monkeypatch.setattr(batch, "_write_png", fake_write)
+
+    class Pic:
+        def __init__(self, path):
+            self.path = path
+
+    pics = [Pic(n) for n in ("a", "b", "c")]
+    out = []
+    for picture, _ in batch.run(pics, None, None, None, None, None, None):
+        assert picture.path in written            # yielded once its file is written
+        out.append(picture.path)
+    assert out == ["a", "b", "c"] == written
+    made.clear()
+    got = batch.run([Pic("a"), Pic("bad"), Pic("c"), Pic("d")], None, None, None, None, None, None)
+    assert next(got)[0].path == "a"
+    with pytest.raises(UsageError, match="bad: cannot write"):
+        next(got)
+    assert [p.path for p in made] == ["a", "bad", "c"]   # the picture after the failed one was made, no more
