@@ -122,6 +122,7 @@ def main():
     if args.device == "cuda":          # the one pool every component's activations and workspaces come from
         from moss_cli.ops.cuda_table import shared_pool
         out["pool_GB"] = shared_pool().bytes / 1e9
+        out["pool_misses"] = shared_pool().misses      # captures lent other blocks than their plans
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
