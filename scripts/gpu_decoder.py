@@ -147,6 +147,34 @@ def _op_errors(dec, latents):
     return worst
 
 
+def _conv_name(x, w):
+    return f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}"
+
+
+def _conv_difference(name, got, want, top=4):
+    """{"conv": name, "rel": max |got - want| / max |want|, "rows", "cols": where the largest differences lie,
+    "rows_over": rows differing by more than 1e-4 of max |want|} of two conv outputs [C, H, W]."""
+    full = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    by_row, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))
+    scale = max(float(np.abs(want).max()), 1e-30)
+    return {"conv": name, "rel": float(by_row.max() / scale),
+            "rows": [int(r) for r in np.argsort(by_row)[::-1][:top]],
+            "cols": [int(c) for c in np.argsort(by_col)[::-1][:top]],
+            "rows_over": int(np.count_nonzero(by_row > 1e-4 * scale))}
+
+
+def _print_differences(size, calls, every=True):
+    for call in calls:
+        if every or call["rel"] > 1e-5:
+            print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} cols {call['cols']} "
+                  f"rows over 1e-4: {call['rows_over']}", flush=True)
+
+
+def _latents(seed, size):
+    h = size // 16
+    return np.random.default_rng(seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
+
+
 def route_differences(ops, run, top=4):
     """Run run() with each ops.conv2d call made on ops' route and again on the columns, same inputs: per call,
     {"conv": shape, "rel": max |route - columns| / max |columns|, "rows": the rows of the largest
@@ -161,14 +189,7 @@ def route_differences(ops, run, top=4):
             ref = type(ops).conv2d(ops, x, w, b, padding, residual)
         finally:
             ops.convs = route
-        got, want = np.asarray(ops.host(out), np.float64), np.asarray(ops.host(ref), np.float64)
-        full = np.abs(got - want)
-        diff, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))            # per image row, per column
-        scale = max(float(np.abs(want).max()), 1e-30)
-        calls.append({"conv": f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}",
-                      "rel": float(diff.max() / scale), "rows": [int(r) for r in np.argsort(diff)[::-1][:top]],
-                      "cols": [int(c) for c in np.argsort(by_col)[::-1][:top]],
-                      "rows_over": int(np.count_nonzero(diff > 1e-4 * scale))})
+        calls.append(_conv_difference(_conv_name(x, w), ops.host(out), ops.host(ref), top))
         return out
 
     ops.conv2d = both
@@ -190,8 +211,8 @@ def graph_probe(tensors, config, latents):
 
     def keep(x, w, b=None, padding=0, residual=None, _ops=eager.ops):
         out = type(_ops).conv2d(_ops, x, w, b, padding, residual)
-        want.append(np.asarray(_ops.host(out), np.float64))
-        shapes.append(f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}")
+        want.append(_ops.host(out))
+        shapes.append(_conv_name(x, w))
         return out
 
     eager.ops.conv2d = keep
@@ -210,16 +231,7 @@ def graph_probe(tensors, config, latents):
 
     ops.conv2d = probe
     graph_pixels = graphed.decode(latents)
-    calls = []
-    for i, (ref, name) in enumerate(zip(want, shapes)):
-        got = probes[i].copy_to_host().astype(np.float64)
-        full = np.abs(got - ref)
-        by_row, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))
-        scale = max(float(np.abs(ref).max()), 1e-30)
-        calls.append({"conv": name, "rel": float(full.max() / scale),
-                      "rows": [int(r) for r in np.argsort(by_row)[::-1][:4]],
-                      "cols": [int(c) for c in np.argsort(by_col)[::-1][:4]],
-                      "rows_over": int(np.count_nonzero(by_row > 1e-4 * scale))})
+    calls = [_conv_difference(name, probe.copy_to_host(), ref) for probe, ref, name in zip(probes, want, shapes)]
     return {"convs": calls, "graph_vs_eager": off(graph_pixels, pixels)}
 
 
@@ -250,8 +262,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
         from moss_cli.ops.cuda_decoder import CudaDecoder
-        h = args.ops // 16
-        latents = np.random.default_rng(args.seed + args.ops).standard_normal((1, 128, h, h)).astype(np.float32)
+        latents = _latents(args.seed, args.ops)
         worst = _op_errors(CudaDecoder(random_tensors(SMALL, args.seed), SMALL, graphs=False), latents)
         for kind, (calls, err, peak) in sorted(worst.items(), key=lambda kv: -kv[1][1]):
             print(f"{kind:28s} {calls:3d} calls  rel L2 {err:.3g}  max abs / max |ref| {peak:.3g}")
@@ -261,16 +272,11 @@ def main(argv=None):
     if args.cudnn_graph_probe:
         tensors, record = random_tensors(SMALL, args.seed), {}
         for size in args.sizes:
-            h = size // 16
-            latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
             t0 = time.perf_counter()
-            row = graph_probe(tensors, SMALL, latents)
+            row = graph_probe(tensors, SMALL, _latents(args.seed, size))
             row["seconds"] = time.perf_counter() - t0
             record[f"{size}x{size}"] = row
-            for call in row["convs"]:
-                if call["rel"] > 1e-5:
-                    print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} "
-                          f"cols {call['cols']} rows over 1e-4: {call['rows_over']}", flush=True)
+            _print_differences(size, row["convs"], every=False)
             print(f"{size}: graph vs eager pixels {row['graph_vs_eager']} ({row['seconds']:.0f} s)", flush=True)
             (args.out / "decoder_cudnn_graph_probe.json").write_text(json.dumps(record, indent=1))
         return 0
@@ -281,8 +287,7 @@ def main(argv=None):
         cudnn_conv.FIRST = args.cudnn_ops
         tensors, record = random_tensors(SMALL, args.seed), {"first": args.cudnn_ops, "sizes": {}}
         for size in args.sizes:
-            h = size // 16
-            latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
+            latents = _latents(args.seed, size)
             eager, pixels = CudaDecoder(tensors, SMALL, graphs=False, convs="cudnn"), []
             ops = eager.ops
             calls = route_differences(ops, lambda: pixels.append(eager.decode(latents)))   # the route's pixels
@@ -292,9 +297,7 @@ def main(argv=None):
                    "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
                    "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()}}
             record["sizes"][f"{size}x{size}"] = row
-            for call in calls:
-                print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} cols {call['cols']} "
-                      f"rows over 1e-4: {call['rows_over']}", flush=True)
+            _print_differences(size, calls)
             print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
         (args.out / f"decoder_cudnn_ops_{args.cudnn_ops}.json").write_text(json.dumps(record, indent=1))
         return 0
@@ -310,8 +313,7 @@ def main(argv=None):
     record = {"config": SMALL, "baseline": baseline, "convs": dec.ops.convs, "sizes": {}}
     torch.backends.cuda.matmul.allow_tf32 = False
     for size in args.sizes:
-        h = size // 16
-        latents = np.random.default_rng(args.seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
+        latents = _latents(args.seed, size)
         row = {}
         start = time.perf_counter()
         pixels = dec.decode(latents)
