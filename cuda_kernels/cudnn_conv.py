@@ -64,7 +64,7 @@ class _Plan:
         pad = taps // 2
         g = cudnn.pygraph(io_data_type=f16, intermediate_data_type=f32, compute_data_type=f32,
                           handle=_state["handle"])
-        h_in = rows + 2 * pad
+        h_in = conv.image_rows(rows, taps)
         self.x = g.tensor(name="X", dim=[1, n, h_in, width], stride=[h_in * width * 2 * p, 1, width * 2 * p, 2 * p],
                           data_type=f16)
         self.w = g.tensor(name="W", dim=[o8, n, taps, taps], stride=[taps * taps * n, 1, taps * n, n],
@@ -124,7 +124,7 @@ def check(plan, rows, width, p, o8, taps, n, seed=0):
     from .layout import random_bf16
     pad = taps // 2
     rng = np.random.default_rng(seed)
-    live, extra = (rows + 2 * pad) * width, (TAIL + GARBAGE) * width
+    live, extra = conv.image_rows(rows, taps) * width, (TAIL + GARBAGE) * width
     if SIMULATED:                       # the simulator's threads are slow: the host's numbers
         bits = rng.uniform(-4, 4, (live + extra, 2 * p)).astype(np.float16).view(np.uint16)
         bits[live:live + TAIL * width] = 0
@@ -152,7 +152,7 @@ def check(plan, rows, width, p, o8, taps, n, seed=0):
     plan.graph.execute(pack, pointer(space), handle=_state["handle"])
     cuda.synchronize()
     x = image.copy_to_host()[:live].view(np.float16).astype(np.float64)
-    x = x.reshape(rows + 2 * pad, width, 2 * p)[..., :n]
+    x = x.reshape(conv.image_rows(rows, taps), width, 2 * p)[..., :n]
     x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))                # the convolution's left and right padding
     got = y.copy_to_host().reshape(rows, width, o8)
     extra = 0 * got if z is None else z.copy_to_host().view(np.float32).astype(np.float64).reshape(rows, width, o8)
