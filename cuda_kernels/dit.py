@@ -200,7 +200,8 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
     bf16 each (team x per x width = d); word j of a thread pairs with word j + per / 2 (d / 2 elements on: the
     rotate-half pairs). The token's cos and sin and both weights at the thread's elements are read once for
     its group. Heads from `split` on take the second weight and go to the second output (q and k in one
-    launch, each into its own contiguous array). Control: rotates the other way."""
+    launch, each into its own contiguous array). The group's words are all loaded before its first store (the
+    compiler may not move a load above a store to memory it cannot tell apart). Control: rotates the other way."""
     half, size = per // 2, width * per
     word = uint32 if width == 2 else uint64
 
@@ -210,6 +211,7 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
         vals = cuda.local.array(size, float32)
         wa_, wb_ = cuda.local.array(size, float32), cuda.local.array(size, float32)
         cs, sn = cuda.local.array(size, float32), cuda.local.array(size, float32)
+        raw = cuda.local.array(group * per, word)
         tokens, heads, words = x.shape
         groups = (heads + group - 1) // group
         rows = tokens * groups
@@ -218,6 +220,10 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
         live = row < rows
         row = min(row, rows - 1)
         t, h0 = uint64(row // groups), uint64((row % groups) * group)
+        for k in range(group):                     # every load of the group first: stores cannot delay them
+            hr = min(h0 + uint64(k), uint64(heads - 1))    # a head past the end (none: group | heads) stores nothing
+            for j in range(per):
+                raw[per * k + j] = x[t, hr, uint64(lane + j * team)]
         for j in range(per):                       # the thread's elements: weights, and cos / sin of the pairs
             for e in range(width):
                 i = uint64(width * (lane + j * team) + e)
@@ -228,10 +234,9 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
                     sn[width * j + e] = -sin[t, i] if control else sin[t, i]
         for k in range(group):
             h = h0 + uint64(k)
-            hr = min(h, uint64(heads - 1))    # all lanes sum; a head past the end (none: group | heads) stores nothing
             acc = float32(0.0)
             for j in range(per):
-                bits = x[t, hr, uint64(lane + j * team)]
+                bits = raw[per * k + j]
                 for e in range(width):
                     v = widen(uint16((bits >> word(16 * e)) & word(0xFFFF)))
                     vals[width * j + e] = v
