@@ -202,7 +202,7 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
     its group. Heads from `split` on take the second weight and go to the second output (q and k in one
     launch, each into its own contiguous array). The group's words are all loaded before its first store (the
     compiler may not move a load above a store to memory it cannot tell apart). Control: rotates the other way."""
-    half, size = per // 2, width * per
+    half, size, loads = per // 2, width * per, group * per
     word = uint32 if width == 2 else uint64
 
     @jit
@@ -211,7 +211,7 @@ def _qk_norm_rope(control, team, per, width=2, group=1):
         vals = cuda.local.array(size, float32)
         wa_, wb_ = cuda.local.array(size, float32), cuda.local.array(size, float32)
         cs, sn = cuda.local.array(size, float32), cuda.local.array(size, float32)
-        raw = cuda.local.array(group * per, word)
+        raw = cuda.local.array(loads, word)
         tokens, heads, words = x.shape
         groups = (heads + group - 1) // group
         rows = tokens * groups

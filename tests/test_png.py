@@ -1,13 +1,16 @@
-"""Our PNG bytes (written by Pillow) as Pillow reads them; determinism across processes; damaged files."""
+"""Our PNG bytes as Pillow and zlib read them, the Paeth rows against the specification's own statement;
+determinism across processes; damaged files."""
 
 import io
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from moss_cli import png
 from moss_cli.errors import ArtifactError
 from moss_cli.png import decode_png, encode_png
 
@@ -57,3 +60,68 @@ def test_truncated_or_corrupt_files_are_artifact_errors():
     flipped[data.index(b"IDAT") + 10] ^= 0xFF
     with pytest.raises(ArtifactError, match="CRC"):
         decode_png(bytes(flipped))
+
+
+def _paeth_by_the_book(pixels):
+    """The filtered rows of PNG's Paeth filter, byte by byte as the PNG specification states it (ISO 15948 9.4)."""
+    h, w, _ = pixels.shape
+    x = pixels.reshape(h, 3 * w).astype(int)
+    out = []
+    for r in range(h):
+        row = [4]
+        for i in range(3 * w):
+            a = x[r, i - 3] if i >= 3 else 0
+            b = x[r - 1, i] if r else 0
+            c = x[r - 1, i - 3] if r and i >= 3 else 0
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
+            row.append((x[r, i] - pred) % 256)
+        out.append(row)
+    return bytes(np.array(out, np.uint8).tobytes())
+
+
+def _idat(data):
+    """The concatenated IDAT payload of PNG bytes."""
+    pos, body = 8, b""
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 4], "big")
+        if data[pos + 4:pos + 8] == b"IDAT":
+            body += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    return body
+
+
+@pytest.mark.parametrize("band_bytes", [1, 3 * 41 + 1, 5 * (3 * 41 + 1) - 1, 1 << 18])
+def test_bands_join_into_one_zlib_stream_of_paeth_rows(band_bytes):
+    """A band a row, several rows a band, or one band: zlib inflates one stream (its Adler-32 checked) into the
+    rows the specification's Paeth filter gives, and Pillow reads the same pixels."""
+    data = encode_png(PIXELS, TEXT, band_bytes=band_bytes)
+    assert zlib.decompress(_idat(data)) == _paeth_by_the_book(PIXELS)
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), PIXELS)
+
+
+def test_adler32_join_equals_zlib_over_the_whole():
+    r = np.random.default_rng(3)
+    for n, m in ((0, 0), (1, 0), (0, 7), (5552, 5553), (70000, 3), (3, 200000)):
+        a, b = r.integers(0, 256, n, dtype=np.uint8).tobytes(), r.integers(0, 256, m, dtype=np.uint8).tobytes()
+        assert png._adler32_join(zlib.adler32(a), zlib.adler32(b), len(b)) == zlib.adler32(a + b)
+
+
+def test_a_planted_tie_break_is_caught(monkeypatch):
+    """Control: a tie between the up and up-left predictions taken the other way (c before b) gives other
+    bytes, and Pillow other pixels (a tie between left and up changes nothing: it implies c = (a + b) / 2)."""
+    def wrong(rows, above):
+        x = rows.reshape(rows.shape[0], -1).astype(np.int16)
+        b = np.concatenate([above.reshape(1, -1).astype(np.int16), x[:-1]])
+        a = np.zeros_like(x)
+        a[:, 3:] = x[:, :-3]
+        c = np.zeros_like(x)
+        c[:, 3:] = b[:, :-3]
+        pa, pb, pc = np.abs(b - c), np.abs(a - c), np.abs(a + b - 2 * c)
+        pred = np.where((pa <= pb) & (pa <= pc), a, np.where(pc <= pb, c, b))
+        return np.concatenate([np.full((x.shape[0], 1), 4, np.uint8), (x - pred).astype(np.uint8)], axis=1)
+    monkeypatch.setattr(png, "paeth_rows", wrong)
+    data = encode_png(PIXELS, TEXT, band_bytes=3 * 41 + 1)
+    assert zlib.decompress(_idat(data)) != _paeth_by_the_book(PIXELS)
+    assert not np.array_equal(np.asarray(Image.open(io.BytesIO(data))), PIXELS)
