@@ -11,8 +11,10 @@ the 1x1 convs) one convolution takes both, [hi | 0 | lo | 0] with [w_hi | 0 | w_
 chunks: a chunk's image holds its rows and a zero or neighbour row above and below, the convolution pads only
 left and right.
 
-Each plan is run once as it is built on pseudo-random operands and sampled against float64 (`check`); a plan
-that fails raises, and the decoder's conv2d takes the columns for that geometry. FIRST picks the form of a sum's
+Each plan is run once as it is built on pseudo-random operands and sampled against float64 (`check`), with
+noise in its workspace; a plan that passes only with a zeroed workspace gets a memset of it before each run
+(`_state["zeroed"]` lists them), one that fails raises, and the decoder's conv2d takes the columns for that
+geometry. FIRST picks the form of a sum's
 first convolution (alone, times a device 1, or plus zeros), each a different set of cuDNN engines.
 """
 
@@ -82,6 +84,7 @@ class _Plan:
         y.set_output(True).set_dim(out[0]).set_stride(out[1]).set_data_type(f32)
         self.y = y
         self.graph = g
+        self.zero_workspace = False         # set when its check passes only with a zeroed workspace
         self.workspace_bytes = build(g)
 
 
@@ -104,14 +107,18 @@ def _plan(rows, width, p, o8, taps, n, add):
     if key not in plans:
         plan = _Plan(rows, width, p, o8, taps, n, add, first)
         worst = check(plan, rows, width, p, o8, taps, n)
+        if not worst <= 1 and plan.workspace_bytes:             # NaN fails too
+            plan.zero_workspace = check(plan, rows, width, p, o8, taps, n, workspace=0) <= 1
         _state.setdefault("checked", {})[key[1:]] = worst       # each plan's margin, for the record
-        if not worst <= 1:                                      # NaN fails too
+        if plan.zero_workspace:
+            _state.setdefault("zeroed", []).append(key[1:])
+        elif not worst <= 1:
             raise RuntimeError(f"the cuDNN plan for {key[1:]} failed its check: error {worst:.3g} x its bound")
         plans[key] = plan
     return plans[key]
 
 
-def check(plan, rows, width, p, o8, taps, n, seed=0):
+def check(plan, rows, width, p, o8, taps, n, seed=0, workspace=None):
     """Run a freshly built plan once on pseudo-random operands (an image of distinct rows, then TAIL zero rows as
     conv2d leaves after each chunk's image and GARBAGE rows of noise; weights of the split parts' magnitude,
     sums past fp16's range, an added Z of the sums' size) and hold sampled outputs (the first
@@ -119,7 +126,8 @@ def check(plan, rows, width, p, o8, taps, n, seed=0):
     float64 on the host. Returns the worst |error| / bound, the bound K 2^-22 sum |terms| (float32 sums of
     exact fp16 products, at their worst): an engine that reads the wrong rows or channels (or more than TAIL
     rows past its image), drops the add or overflows an fp16 intermediate fails it; one that only rounds worse
-    may not."""
+    may not. The workspace holds noise (workspace=None) or that byte: a graph's workspace is a pool block that
+    other buffers used before, so an engine that needs it zeroed fails with noise and passes with 0."""
     from numba import cuda
     from .layout import random_bf16
     pad = taps // 2
@@ -148,7 +156,9 @@ def check(plan, rows, width, p, o8, taps, n, seed=0):
     cuda.synchronize()                  # the fills done before cuDNN runs on its handle's stream
     if plan.one is not None:
         pack[plan.one] = pointer(_constant(1.0, 1))
-    space = cuda.device_array(max(1, plan.workspace_bytes), np.uint8)
+    size = max(1, plan.workspace_bytes)
+    space = cuda.to_device(np.full(size, workspace, np.uint8) if workspace is not None
+                           else rng.integers(0, 256, size, dtype=np.uint8))
     plan.graph.execute(pack, pointer(space), handle=_state["handle"])
     cuda.synchronize()
     x = image.copy_to_host()[:live].view(np.float16).astype(np.float64)
@@ -179,6 +189,17 @@ def _constant(value, n):
     return _state[key]
 
 
+def _zero(a, size, stream):
+    """size bytes of device array a set to 0 on the stream (a memset node when the stream is capturing)."""
+    if SIMULATED:
+        a[:size] = 0
+        return
+    from cuda.bindings import driver
+    err, = driver.cuMemsetD8Async(pointer(a), 0, size, stream_handle(stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8Async: {err}")
+
+
 def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
     """The split product of one chunk: image [(rows + 2 pad) W, 2 P] fp16 bits (conv.split_image) of a
     conv of C input channels, weights from weight_windows (on the device), ys two float32 [rows W, O8] buffers;
@@ -197,6 +218,8 @@ def convolve(image, weights, ys, rows, width, c, taps, workspace, stream=0):
             pack[plan.z] = pointer(z if z is not None else _constant(0.0, ys[0].size))
         if plan.one is not None:
             pack[plan.one] = pointer(_constant(1.0, 1))
+        if plan.zero_workspace:
+            _zero(workspace, plan.workspace_bytes, stream)
         plan.graph.execute(pack, pointer(workspace), handle=handle)
         z, offset = y, offset + o8 * taps * taps * n
     return z

@@ -295,7 +295,8 @@ def main(argv=None):
             graphed = CudaDecoder(tensors, SMALL, convs="cudnn").decode(latents)
             row = {"convs": calls, "graph_vs_eager": off(graphed, pixels),
                    "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
-                   "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()}}
+                   "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()},
+                   "zeroed": [str(k) for k in cudnn_conv._state.get("zeroed", [])]}
             record["sizes"][f"{size}x{size}"] = row
             _print_differences(size, calls)
             print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
@@ -362,6 +363,7 @@ def main(argv=None):
                 row[f"{name}_vs_float64"] = off(got, ref_pixels)
                 row[f"{name}_where_off"] = where_off(got, ref_pixels)
             row[f"{name}_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
+            row[f"{name}_zeroed"] = [str(k) for k in cudnn_conv._state.get("zeroed", [])]
             del variant
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)

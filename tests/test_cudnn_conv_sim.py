@@ -87,7 +87,7 @@ class Graph:
         raise AttributeError(name)
 
     def get_workspace_size(self):
-        return 0
+        return 64 if PLANT.startswith("stale") else 0
 
     def execute(self, pack, workspace, handle=None):
         image, weight, pre, post = self.conv
@@ -107,6 +107,10 @@ class Graph:
             y *= view(pack[self.one], np.float32, [1], [1])[0]
         if out.kind == "add" and PLANT != "no add":
             y += view(pack[self.z], np.float32, self.z.dim, self.z.stride)[0]
+        if PLANT.startswith("stale"):    # an engine with a flag in its workspace that must start at 0, left at 1
+            flag = view(workspace, np.float32, [1], [1])
+            y += 1000.0 * (flag[0] != 0)
+            flag[0] = 1.0
         view(pack[out], np.float32, out.dim, out.stride)[0][...] = y.astype(np.float32)
 
 
@@ -128,6 +132,8 @@ if PLANT == "check":
     PLANT = "no add"
     print("check", right, cudnn_conv.check(plan, 5, 4, 128, 8, 3, 136))
     sys.exit(0)
+if PLANT == "stale workspace, no memset":
+    cudnn_conv._zero = lambda *args: None
 if PLANT == "no hi.w_lo":
     whole = cudnn_conv.plan_convs
     cudnn_conv.plan_convs = lambda c, taps: [v for v in whole(c, taps) if v[2] == 0]
@@ -161,6 +167,7 @@ for c, o, h, w, taps, kind in ((5, 3, 7, 4, 3, "plain"), (5, 3, 4, 3, 3, "up"), 
     print(kind, c, o, h, w, taps, "pass" if ok else "FAIL", f"{ratio:.3g}")
 print("worst", worst)
 print("refused", len(ops.__dict__.get("cudnn_refused", {})))
+print("zeroed", len(sdpa._state.get("zeroed", [])))
 '''
 
 
@@ -220,3 +227,14 @@ def test_the_check_passes_a_right_engine_and_fails_a_planted_one_by_far():
     out = _run("check")
     right, dropped = (float(v) for v in out.split("check")[1].split())
     assert right < 1e-3 and dropped > 10, out
+
+
+def test_an_engine_that_needs_a_zeroed_workspace_gets_a_memset_before_each_run():
+    """A stand-in engine that keeps a flag in its workspace, wrong unless it starts at 0 and left at 1 (as an
+    engine's split-K semaphores would be): its check fails with noise in the workspace and passes with zeros, so
+    each run is preceded by a memset and every case meets the gate. Control: the same without the memset fails
+    from each chunk's second convolution on."""
+    out = _run("stale workspace")
+    assert "FAIL" not in out and out.count("pass") == 5 and "refused 0" in out and "zeroed 0" not in out, out
+    out = _run("stale workspace, no memset")
+    assert "FAIL" in out, out
