@@ -118,32 +118,42 @@ def _plan(rows, width, p, o8, taps, n, add):
     return plans[key]
 
 
+GUARD = 1 << 16         # bytes of noise check keeps after the workspace, and after the output (whole pixels)
+SENTINEL = 0x7FC0DEAD   # the float32 NaN check fills the output with: an engine that reads it before writing fails
+
+
 def check(plan, rows, width, p, o8, taps, n, seed=0, workspace=None):
-    """Run a freshly built plan once on pseudo-random operands (an image of distinct rows, then TAIL zero rows as
-    conv2d leaves after each chunk's image and GARBAGE rows of noise; weights of the split parts' magnitude,
-    sums past fp16's range, an added Z of the sums' size) and hold sampled outputs (the first
-    two and last two rows, random ones; the edge columns and a random one; every output channel) against
-    float64 on the host. Returns the worst |error| / bound, the bound K 2^-22 sum |terms| (float32 sums of
-    exact fp16 products, at their worst): an engine that reads the wrong rows or channels (or more than TAIL
-    rows past its image), drops the add or overflows an fp16 intermediate fails it; one that only rounds worse
-    may not. The workspace holds noise (workspace=None) or that byte: a graph's workspace is a pool block that
-    other buffers used before, so an engine that needs it zeroed fails with noise and passes with 0."""
+    """Run a freshly built plan once on pseudo-random operands (an image of distinct rows with GARBAGE rows of
+    noise before it, then TAIL zero rows as conv2d leaves after each chunk's image and GARBAGE rows of noise;
+    weights of the split parts' magnitude, sums past fp16's range, an added Z of the sums' size) and hold
+    sampled outputs (the first two and last two rows, random ones; the edge columns and a random one; every
+    output channel) against float64 on the host. Returns the worst |error| / bound, the bound K 2^-22 sum
+    |terms| (float32 sums of exact fp16 products, at their worst): an engine that reads the wrong rows or
+    channels (before its image, or more than TAIL rows past it), drops the add or overflows an fp16
+    intermediate fails it; one that only rounds worse may not. The output starts as NaN (an engine that reads
+    it first fails), and the workspace holds noise (workspace=None) or that byte: a graph's workspace is a pool
+    block that other buffers used before, so an engine that needs it zeroed fails with noise and passes with 0.
+    Raises RuntimeError for an engine that writes past its output or its workspace (GUARD bytes after each
+    are compared before and after the run): in a graph those bytes belong to other buffers."""
     from numba import cuda
     from .layout import random_bf16
     pad = taps // 2
     rng = np.random.default_rng(seed)
-    live, extra = conv.image_rows(rows, taps) * width, (TAIL + GARBAGE) * width
+    before, live, extra = GARBAGE * width, conv.image_rows(rows, taps) * width, (TAIL + GARBAGE) * width
     if SIMULATED:                       # the simulator's threads are slow: the host's numbers
-        bits = rng.uniform(-4, 4, (live + extra, 2 * p)).astype(np.float16).view(np.uint16)
-        bits[live:live + TAIL * width] = 0
-        image = cuda.to_device(bits)
+        bits = rng.uniform(-4, 4, (before + live + extra, 2 * p)).astype(np.float16).view(np.uint16)
+        bits[before + live:before + live + TAIL * width] = 0
+        whole = cuda.to_device(bits)
     else:
-        image = cuda.device_array((live + extra, 2 * p), np.uint16)
-        random_bf16(image.reshape(image.size), seed + 1)        # as fp16 bits: +-[0.25, 4), each its own
-        image[live:live + TAIL * width].copy_to_device(np.zeros((TAIL * width, 2 * p), np.uint16))
+        whole = cuda.device_array((before + live + extra, 2 * p), np.uint16)
+        random_bf16(whole.reshape(whole.size), seed + 1)        # as fp16 bits: +-[0.25, 4), each its own
+        whole[before + live:before + live + TAIL * width].copy_to_device(np.zeros((TAIL * width, 2 * p), np.uint16))
+    image = whole[before:]
     w = (rng.standard_normal((o8, taps, taps, n)) * 2.0 ** 13).astype(np.float16)
     weights = cuda.to_device(w.view(np.uint16))
-    y = cuda.device_array((rows * width, o8), np.float32)
+    guard_px = -(-GUARD // (4 * o8))
+    y_all = cuda.to_device(np.full((rows * width + guard_px, o8), SENTINEL, np.uint32))
+    y = y_all[:rows * width]
     z = None
     pack = {plan.x: pointer(image), plan.y: pointer(y), plan.w: pointer(weights)}
     if plan.z is not None:
@@ -157,14 +167,19 @@ def check(plan, rows, width, p, o8, taps, n, seed=0, workspace=None):
     if plan.one is not None:
         pack[plan.one] = pointer(_constant(1.0, 1))
     size = max(1, plan.workspace_bytes)
-    space = cuda.to_device(np.full(size, workspace, np.uint8) if workspace is not None
-                           else rng.integers(0, 256, size, dtype=np.uint8))
+    space_bytes = np.full(size, workspace, np.uint8) if workspace is not None else rng.integers(0, 256, size, np.uint8)
+    guard = rng.integers(0, 256, GUARD, np.uint8)
+    space = cuda.to_device(np.concatenate([space_bytes, guard]))
     plan.graph.execute(pack, pointer(space), handle=_state["handle"])
     cuda.synchronize()
+    if not np.array_equal(space.copy_to_host()[size:], guard):
+        raise RuntimeError(f"the cuDNN plan writes past its workspace of {plan.workspace_bytes} bytes")
+    if not np.all(y_all.copy_to_host()[rows * width:] == SENTINEL):
+        raise RuntimeError("the cuDNN plan writes past its output")
     x = image.copy_to_host()[:live].view(np.float16).astype(np.float64)
     x = x.reshape(conv.image_rows(rows, taps), width, 2 * p)[..., :n]
     x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))                # the convolution's left and right padding
-    got = y.copy_to_host().reshape(rows, width, o8)
+    got = y.copy_to_host().view(np.float32).reshape(rows, width, o8)
     extra = 0 * got if z is None else z.copy_to_host().view(np.float32).astype(np.float64).reshape(rows, width, o8)
     picks = sorted({0, min(1, rows - 1), max(rows - 2, 0), rows - 1, *rng.integers(0, rows, 8).tolist()})
     cols = sorted({0, width - 1, int(rng.integers(0, width))})
@@ -176,7 +191,10 @@ def check(plan, rows, width, p, o8, taps, n, seed=0, workspace=None):
             ref = np.einsum("ijc,oijc->o", patch, w64) + extra[r, c]
             terms = np.einsum("ijc,oijc->o", np.abs(patch), np.abs(w64)) + np.abs(extra[r, c])
             bound = taps * taps * n * 2.0 ** -22 * terms + 1e-30
-            worst = max(worst, float(np.max(np.abs(got[r, c] - ref) / bound)))
+            err = float(np.max(np.abs(got[r, c] - ref) / bound))
+            if np.isnan(err):
+                return err                                      # max() would drop it
+            worst = max(worst, err)
     return worst
 
 

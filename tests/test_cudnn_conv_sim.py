@@ -87,13 +87,15 @@ class Graph:
         raise AttributeError(name)
 
     def get_workspace_size(self):
-        return 64 if PLANT.startswith("stale") else 0
+        return 64 if PLANT.startswith("stale") or PLANT == "workspace overrun" else 0
 
     def execute(self, pack, workspace, handle=None):
         image, weight, pre, post = self.conv
         x = view(pack[image], np.float16, image.dim, image.stride).astype(np.float64)[0]      # [C, H, W]
         if PLANT == "rows shifted":      # an engine that reads the image one row low
             x = np.concatenate([x[:, 1:], x[:, -1:]], axis=1)
+        if PLANT == "reads before its image":   # the first pixel taken from the one before the image
+            x[:, 0, 0] = view(pack[image] - 2 * image.stride[3], np.float16, [x.shape[0]], [1]).astype(np.float64)
         w = view(pack[weight], np.float16, weight.dim, weight.stride).astype(np.float64)      # [O, C, R, S]
         x = np.pad(x, ((0, 0), (pre[0], post[0]), (pre[1], post[1])))
         o, _, r, s = w.shape
@@ -112,6 +114,10 @@ class Graph:
             y += 1000.0 * (flag[0] != 0)
             flag[0] = 1.0
         view(pack[out], np.float32, out.dim, out.stride)[0][...] = y.astype(np.float32)
+        if PLANT == "workspace overrun":        # one byte past the size it asked for
+            view(workspace + 64, np.float16, [1], [1])[0] = 1.0
+        if PLANT == "output overrun":           # one value past the output
+            view(pack[out] + 4 * o * h * wd, np.float32, [1], [1])[0] = 0.0
 
 
 fake = types.ModuleType("cudnn")
@@ -213,10 +219,12 @@ def test_planted_plan_bug_fails_the_same_gate():
     assert out.count("FAIL") == 4 and "refused 0" in out, out
 
 
-@pytest.mark.parametrize("plant", ["no add", "rows shifted"])
+@pytest.mark.parametrize("plant", ["no add", "rows shifted", "reads before its image", "workspace overrun",
+                                   "output overrun"])
 def test_a_faulty_engine_fails_its_check_and_the_columns_take_its_convs(plant):
-    """cudnn_conv.check, run on each plan as it is built: an engine that drops the fused add, or reads the
-    image a row low, fails it; those geometries go to the columns and the pixels still meet the gate."""
+    """cudnn_conv.check, run on each plan as it is built: an engine that drops the fused add, reads the image a
+    row low or a pixel before its start, or writes past its workspace or its output, fails it; those
+    geometries go to the columns and the pixels still meet the gate."""
     out = _run(plant)
     assert "FAIL" not in out and out.count("pass") == 5 and "refused 0" not in out, out
 
