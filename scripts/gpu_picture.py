@@ -123,6 +123,7 @@ def main():
         from moss_cli.ops.cuda_table import shared_pool
         out["pool_GB"] = shared_pool().bytes / 1e9
         out["pool_misses"] = shared_pool().misses      # captures lent other blocks than their plans
+        out["pool_plans"] = shared_pool().plans        # each capture's eager pass: takes still lent at its end
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -218,6 +218,11 @@ def picture(sizes, steps=50):
         latents = cuda_table.cuda.to_device(np.zeros((dit.config["latent_channels"], h, h), np.float32))
         planned(lambda: dec._run(latents))
         mark(f"{size}x{size}: the decoder's graph")
+    rows.append({"stage": "each plan", "plans": pool.plans})     # gpu_picture.py records the device's alike
+    for i, p in enumerate(pool.plans):
+        print(f"plan {i}: {p['takes']} takes asking {p['asked_bytes'] / 1e9:.2f} GB, {p['held_takes']} still lent "
+              f"after the eager pass ({p['held_bytes'] / 1e9:.3f} GB), {p['made_bytes'] / 1e9:.2f} GB of blocks made",
+              flush=True)
     return rows
 
 

@@ -282,3 +282,18 @@ def test_a_capture_asks_the_pool_what_its_eager_pass_asked():
                           text=True, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["encoder", "0", "True", "dit", "0", "True", "decoder", "0", "True"], done.stdout
+
+
+def test_each_plan_records_its_takes_the_ones_still_lent_and_the_blocks_it_made():
+    """A recording of three takes, one kept lent past the eager pass (as an array held by a cycle or a cache
+    would be): the plan's record counts it, and the blocks made for the plan (the recording's own let go)."""
+    pool, _ = counting_pool()
+    pool.record()
+    a, b = pool.take(8 * MB), pool.take(4 * MB)
+    pool.give(a)
+    c = pool.take(2 * MB)
+    pool.give(c)
+    pool.plan()
+    assert pool.plans == [{"takes": 3, "asked_bytes": 14 * MB, "held_takes": 1, "held_bytes": 4 * MB,
+                           "made_bytes": 8 * MB + 4 * MB}]
+    pool.give(b)

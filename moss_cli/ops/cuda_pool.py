@@ -49,6 +49,7 @@ class Pool:
         self._recorded_from = 0
         self._script = None    # while scripted: the planned block of each take, in order
         self.misses = 0        # scripted takes that found their planned block lent or too small (best fit then)
+        self.plans = []        # per plan(): its takes, the bytes they ask, those still lent when it ran, blocks made
 
     def take(self, nbytes):
         """A block of at least nbytes (best fit; exactly nbytes under SMALL), or the script's next block."""
@@ -121,6 +122,7 @@ class Pool:
             else:
                 end[event[0]] = t
         candidates = list(self._free)               # (nbytes, order, block), sorted
+        before = self.bytes
         lives = {order: [] for _, order, _ in candidates}
         out = {}
         for take in sorted(start, key=lambda k: (-size[k], start[k])):
@@ -134,6 +136,9 @@ class Pool:
                 self.give(block)
             lives[block.order].append(life)
             out[take] = block
+        held = [t for t in start if t not in end]
+        self.plans.append({"takes": len(start), "asked_bytes": sum(size.values()), "held_takes": len(held),
+                           "held_bytes": sum(size[t] for t in held), "made_bytes": self.bytes - before})
         return [out[k] for k in sorted(out)]
 
     def script(self, planned):
