@@ -2,8 +2,9 @@
 # The device run: set up the GPU image's Python, then run the named steps, logs under $OUT (or ./gpu_out).
 #   bash scripts/gpu_run.sh contract tests encoder delta bench   (GPU_TESTS=path: the tests step runs those only)
 #   NCU_GROUPS="flash chunked" NCU_KERNELS="flash|setup|walk" bash scripts/gpu_run.sh ncu   (scripts/gpu_ncu_kernels.py)
-# Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu; after a
-# passing contract step in the same call, without the contract's own test),
+# Steps: contract (every kernel against its float64 reference at real shapes), tests (pytest tests/gpu but the
+# cuBLASLt tuning's tests; after a passing contract step in the same call, without the contract's own test),
+# tuning (tests/gpu/test_gemm_tuning.py: every candidate of five tuned products, ~5 minutes, a call of its own),
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
@@ -41,7 +42,9 @@ for step in "$@"; do
              skip=(--deselect tests/gpu/test_cuda_contract_gpu.py::test_contract_at_real_shapes)
              echo "the contract passed as this call's contract step: its test is deselected" | tee "$OUT/tests.txt"
            fi
+           [ -z "${GPU_TESTS:-}" ] && skip+=(--ignore=tests/gpu/test_gemm_tuning.py)     # the tuning step's
            $limit python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} "${skip[@]}" -rs -s 2>&1 | tee -a "$OUT/tests.txt" ;;
+    tuning) $limit python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemm_tuning.py -rs -s 2>&1 | tee "$OUT/tuning.txt" ;;
     delta) $limit python3 scripts/gpu_bench_delta.py --out "$OUT/delta.json" 2>&1 | tee "$OUT/delta.txt" ;;
     ncu) $limit ncu --clock-control none --set full -k regex:"${NCU_KERNELS:-gated_delta_rule|nvjet}" \
            -o "$OUT/kernels" python3 scripts/gpu_ncu_kernels.py ${NCU_GROUPS:-} > "$OUT/ncu_log.txt" 2>&1
