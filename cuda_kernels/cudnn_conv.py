@@ -14,8 +14,8 @@ left and right.
 Each plan is run once as it is built on pseudo-random operands and sampled against float64 (`check`), with
 noise in its workspace; a plan that passes only with a zeroed workspace gets a memset of it before each run
 (`_state["zeroed"]` lists them), one that fails raises, and the decoder's conv2d takes the columns for that
-geometry. FIRST picks the form of a sum's
-first convolution (alone, times a device 1, or plus zeros), each a different set of cuDNN engines.
+geometry. FIRST picks the form of a sum's first convolution (alone, times a device 1, or plus zeros), each a
+different set of cuDNN engines.
 """
 
 import numpy as np
