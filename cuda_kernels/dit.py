@@ -79,21 +79,25 @@ def _hi(word):
 @functools.cache
 def _norm_modulate_pairs(residual, bits_in, control, team, per):
     """norm_modulate on element pairs: x and the float32 vectors as 8-byte words of two floats, u and out
-    as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread)."""
+    as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread). Every load comes before the
+    row's sum and every store after it, so a thread's loads are all in flight at once (a store between them
+    would hold back the loads the compiler cannot tell apart from it)."""
     size = 2 * per
 
     @jit
     def norm_modulate_pairs(x, u, gate, w, shift, scale, out, eps):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(size, float32)
+        ws, fs, cs = cuda.local.array(per, uint64), cuda.local.array(per, uint64), cuda.local.array(per, uint64)
         rows, words = x.shape
         r, lane, live = team_row(rows, team)
         acc = float32(0.0)
-        for j in range(per):
+        for j in range(per):                 # loads only: every one issued before the sum's wait and any store
             i = lane + j * team
             a, b = float32(0.0), float32(0.0)
             if i < words:
                 k = uint64(i)
+                ws[j], fs[j], cs[j] = w[k], shift[k], scale[k]
                 xw = x[r, k]
                 a, b = _lo(xw), _hi(xw)
                 if residual:
@@ -107,8 +111,6 @@ def _norm_modulate_pairs(residual, bits_in, control, team, per):
                         gw = gate[k]
                         ua, ub = ua * _lo(gw), ub * _hi(gw)
                     a, b = a + ua, b + ub
-                    if live:
-                        x[r, k] = uint64(float32_bits(a)) | (uint64(float32_bits(b)) << uint64(32))
             vals[2 * j], vals[2 * j + 1] = a, b
             acc += a * a + b * b
         inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(2 * words) + eps)
@@ -118,12 +120,15 @@ def _norm_modulate_pairs(residual, bits_in, control, team, per):
             i = lane + j * team
             if i < words:
                 k = uint64(i)
-                ww, fw, cw = w[k], shift[k], scale[k]
+                a, b = vals[2 * j], vals[2 * j + 1]
+                if residual:
+                    x[r, k] = uint64(float32_bits(a)) | (uint64(float32_bits(b)) << uint64(32))
+                ww, fw, cw = ws[j], fs[j], cs[j]
                 sa, sb = _lo(cw), _hi(cw)
                 if not (control and not residual):
                     sa, sb = float32(1.0) + sa, float32(1.0) + sb
-                ya = (vals[2 * j] * inv) * _lo(ww) * sa + _lo(fw)
-                yb = (vals[2 * j + 1] * inv) * _hi(ww) * sb + _hi(fw)
+                ya = (a * inv) * _lo(ww) * sa + _lo(fw)
+                yb = (b * inv) * _hi(ww) * sb + _hi(fw)
                 out[r, k] = uint32(narrow(ya)) | (uint32(narrow(yb)) << uint32(16))
     return norm_modulate_pairs
 
@@ -386,24 +391,37 @@ def _situ(control):
     return situ
 
 
+SITU_WORDS = 4      # words of each operand a thread loads before it stores any result
+
+
 @functools.cache
 def _situ_packed(control):
-    """Four bf16 of each operand in one 8-byte word (elementwise._words), four results stored as one."""
+    """Four bf16 of each operand in one 8-byte word (elementwise._words), four results stored as one. A
+    thread loads SITU_WORDS words of each operand (a block's width apart) before its first store: a store
+    between them would hold back the loads the compiler cannot tell apart from it."""
     @jit
     def situ_packed(hidden, gate, out):
+        hs, gs = cuda.local.array(SITU_WORDS, uint64), cuda.local.array(SITU_WORDS, uint64)
         rows, cols = out.shape
+        step = cuda.blockDim.x
         for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
             ro = uint64(r)
-            for c in range(cuda.threadIdx.x, cols, cuda.blockDim.x):
-                co = uint64(c)
-                wh, wg = hidden[ro, co], gate[ro, co]
-                word = uint64(0)
-                for e in range(4):
-                    sh = uint64(16 * e)
-                    h = widen(uint16((wh >> sh) & uint64(0xFFFF)))
-                    g = widen(uint16((wg >> sh) & uint64(0xFFFF)))
-                    word |= uint64(_situ_one(h, g, control)) << sh
-                out[ro, co] = word
+            for c0 in range(cuda.threadIdx.x, cols, step * SITU_WORDS):
+                for m in range(SITU_WORDS):
+                    c = c0 + m * step
+                    if c < cols:
+                        hs[m], gs[m] = hidden[ro, uint64(c)], gate[ro, uint64(c)]
+                for m in range(SITU_WORDS):
+                    c = c0 + m * step
+                    if c < cols:
+                        wh, wg = hs[m], gs[m]
+                        word = uint64(0)
+                        for e in range(4):
+                            sh = uint64(16 * e)
+                            h = widen(uint16((wh >> sh) & uint64(0xFFFF)))
+                            g = widen(uint16((wg >> sh) & uint64(0xFFFF)))
+                            word |= uint64(_situ_one(h, g, control)) << sh
+                        out[ro, uint64(c)] = word
     return situ_packed
 
 
@@ -572,7 +590,7 @@ def _ref_qk(inp):
 
 
 def _make_situ(rng, size):
-    rows, f = (4, 24) if size == "tiny" else (4396, 8192)
+    rows, f = (4, 168) if size == "tiny" else (4396, 8192)    # tiny: 42 words a row, some threads two
     both = rng.standard_normal((rows, 2 * f)) * 4
     both[0, :4] = [60.0, -60.0, 200.0, -200.0]    # saturated tanh / sigmoid
     both[1, :6] = [0.1, -0.2, 0.24, -0.26, 1e-3, -3e-4]   # small arguments, where tanh is nearly linear
