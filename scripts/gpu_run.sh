@@ -86,4 +86,11 @@ for step in "$@"; do
   [ "$step" = contract ] && [ $rc -eq 0 ] && contract_ok=1
   echo "== $step rc=$rc $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
 done
+# PACK=FILE: the logs with this machine's paths replaced, and every output, packed into FILE as well (a device
+# call brings back at most 8 files: PACK=$OUT/all.tgz OUT=/tmp/o bash scripts/gpu_run.sh ..., PACK first)
+if [ -n "${PACK:-}" ]; then
+  sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" \
+    "$OUT"/*.txt "$OUT"/*.log "$OUT"/*.json 2>/dev/null
+  tar czf "$PACK" --exclude="./$(basename "$PACK")" -C "$OUT" . || status=1
+fi
 exit $status
