@@ -170,6 +170,15 @@ def _print_differences(size, calls, every=True):
                   f"rows over 1e-4: {call['rows_over']}", flush=True)
 
 
+def _cudnn_record(ops):
+    """The cuDNN route's geometries refused (to the columns), each plan's check margin, the plans given a zeroed
+    workspace."""
+    from cuda_kernels import cudnn_conv
+    return {"refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
+            "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()},
+            "zeroed": [str(k) for k in cudnn_conv._state.get("zeroed", [])]}
+
+
 def _latents(seed, size):
     h = size // 16
     return np.random.default_rng(seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
@@ -293,10 +302,7 @@ def main(argv=None):
             calls = route_differences(ops, lambda: pixels.append(eager.decode(latents)))   # the route's pixels
             pixels = pixels[0]
             graphed = CudaDecoder(tensors, SMALL, convs="cudnn").decode(latents)
-            row = {"convs": calls, "graph_vs_eager": off(graphed, pixels),
-                   "refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
-                   "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()},
-                   "zeroed": [str(k) for k in cudnn_conv._state.get("zeroed", [])]}
+            row = {"convs": calls, "graph_vs_eager": off(graphed, pixels), **_cudnn_record(ops)}
             record["sizes"][f"{size}x{size}"] = row
             _print_differences(size, calls)
             print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
@@ -362,8 +368,8 @@ def main(argv=None):
             if ref_pixels is not None:
                 row[f"{name}_vs_float64"] = off(got, ref_pixels)
                 row[f"{name}_where_off"] = where_off(got, ref_pixels)
-            row[f"{name}_refused"] = {str(k): v for k, v in variant.ops.__dict__.get("cudnn_refused", {}).items()}
-            row[f"{name}_zeroed"] = [str(k) for k in cudnn_conv._state.get("zeroed", [])]
+            cudnn = _cudnn_record(variant.ops)
+            row[f"{name}_refused"], row[f"{name}_zeroed"] = cudnn["refused"], cudnn["zeroed"]
             del variant
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
