@@ -194,8 +194,8 @@ def norm_modulate_bound(x, w, shift, scale, d):
 # against 183.9 with 4-byte words in one H200 run; gpu_dit.py times the 4-byte form beside it.
 QK_WIDTH = 4
 # Heads a team takes in a row (qk_group: the largest divisor of the heads up to this): the token's cos and sin
-# and the weights at the thread's elements are read once for them, not once a head. A 1024 step took 183.9 ms
-# with 8 against 184.8 with one head a team in one H100 run (within its spread); gpu_dit.py times both.
+# and the weights at the thread's elements are read once for them, not once a head (gpu_dit.py times one head a
+# team beside it; BENCHMARKS.md).
 QK_GROUP = 8
 
 
