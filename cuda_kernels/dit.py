@@ -79,25 +79,21 @@ def _hi(word):
 @functools.cache
 def _norm_modulate_pairs(residual, bits_in, control, team, per):
     """norm_modulate on element pairs: x and the float32 vectors as 8-byte words of two floats, u and out
-    as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread). Every load comes before the
-    row's sum and every store after it, so a thread's loads are all in flight at once (a store between them
-    would hold back the loads the compiler cannot tell apart from it)."""
+    as 4-byte words of two bf16 (a row of d is d / 2 words; per words a thread)."""
     size = 2 * per
 
     @jit
     def norm_modulate_pairs(x, u, gate, w, shift, scale, out, eps):
         sh = cuda.shared.array(SHARED, float32)
         vals = cuda.local.array(size, float32)
-        ws, fs, cs = cuda.local.array(per, uint64), cuda.local.array(per, uint64), cuda.local.array(per, uint64)
         rows, words = x.shape
         r, lane, live = team_row(rows, team)
         acc = float32(0.0)
-        for j in range(per):                 # loads only: every one issued before the sum's wait and any store
+        for j in range(per):
             i = lane + j * team
             a, b = float32(0.0), float32(0.0)
             if i < words:
                 k = uint64(i)
-                ws[j], fs[j], cs[j] = w[k], shift[k], scale[k]
                 xw = x[r, k]
                 a, b = _lo(xw), _hi(xw)
                 if residual:
@@ -111,6 +107,8 @@ def _norm_modulate_pairs(residual, bits_in, control, team, per):
                         gw = gate[k]
                         ua, ub = ua * _lo(gw), ub * _hi(gw)
                     a, b = a + ua, b + ub
+                    if live:
+                        x[r, k] = uint64(float32_bits(a)) | (uint64(float32_bits(b)) << uint64(32))
             vals[2 * j], vals[2 * j + 1] = a, b
             acc += a * a + b * b
         inv = float32(1.0) / math.sqrt(team_sum(sh, acc, team) / float32(2 * words) + eps)
@@ -120,15 +118,12 @@ def _norm_modulate_pairs(residual, bits_in, control, team, per):
             i = lane + j * team
             if i < words:
                 k = uint64(i)
-                a, b = vals[2 * j], vals[2 * j + 1]
-                if residual:
-                    x[r, k] = uint64(float32_bits(a)) | (uint64(float32_bits(b)) << uint64(32))
-                ww, fw, cw = ws[j], fs[j], cs[j]
+                ww, fw, cw = w[k], shift[k], scale[k]
                 sa, sb = _lo(cw), _hi(cw)
                 if not (control and not residual):
                     sa, sb = float32(1.0) + sa, float32(1.0) + sb
-                ya = (a * inv) * _lo(ww) * sa + _lo(fw)
-                yb = (b * inv) * _hi(ww) * sb + _hi(fw)
+                ya = (vals[2 * j] * inv) * _lo(ww) * sa + _lo(fw)
+                yb = (vals[2 * j + 1] * inv) * _hi(ww) * sb + _hi(fw)
                 out[r, k] = uint32(narrow(ya)) | (uint32(narrow(yb)) << uint32(16))
     return norm_modulate_pairs
 
