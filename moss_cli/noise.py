@@ -10,6 +10,8 @@ kernels: "avx2" (official x86 wheels: Cephes log/sincos with the compiler's FMAs
 import ctypes
 import ctypes.util
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -169,7 +171,22 @@ def fill16_generic(blocks):
                            (radius * sin + F32(0)).reshape(shape)], axis=1)
 
 
-FILL16 = {"avx2": fill16_avx2, "generic": fill16_generic}
+SHARE_BLOCKS = 4096         # blocks a thread takes at least, where fill16_avx2's arrays are shared out
+
+
+def fill16_threads(blocks, threads=None):
+    """fill16_avx2 over shares of the blocks on threads (numpy lets go of the GIL inside each op): a block's
+    normals depend on its own 16 uniforms only, so the bits are those of one call, for any thread count."""
+    threads = threads or min(os.cpu_count() or 1, 16)
+    shares = max(1, min(threads, len(blocks) // SHARE_BLOCKS))
+    if shares == 1:
+        return fill16_avx2(blocks)
+    cuts = np.linspace(0, len(blocks), shares + 1).astype(int)
+    with ThreadPoolExecutor(shares) as pool:
+        return np.concatenate(list(pool.map(fill16_avx2, [blocks[a:b] for a, b in zip(cuts, cuts[1:])])))
+
+
+FILL16 = {"avx2": fill16_threads, "generic": fill16_generic}
 
 
 def mt19937_key(seed):

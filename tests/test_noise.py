@@ -64,6 +64,20 @@ def test_planted_control_without_fma_contraction_is_not_exact():
     assert not same_bits(noise.fill16_avx2(blocks, fma=noise.mul_add32).ravel(), ref)
 
 
+@needs_avx2
+def test_threaded_box_muller_equals_torch_for_any_thread_count_and_a_misplaced_cut_does_not():
+    """fill16_threads shares the blocks out to threads; its bits equal torch's whatever the count, and a share
+    that starts one block late (the planted control: a cut off by one, its last block made twice) does not."""
+    n = 5 * noise.SHARE_BLOCKS * noise.BLOCK + 48
+    blocks = noise.Generator(3)._uniform_float(n).reshape(-1, noise.BLOCK)
+    ref = torch_randn(n, 3)
+    for threads in (1, 2, 3, 5, 16):
+        assert same_bits(noise.fill16_threads(blocks, threads).ravel(), ref)
+    cut = len(blocks) // 2
+    shifted = np.concatenate([noise.fill16_avx2(blocks[:cut]), noise.fill16_avx2(blocks[cut - 1:-1])])
+    assert not same_bits(shifted.ravel(), ref)
+
+
 def round_to_float32(q: Fraction) -> np.float32:
     """Correct rounding of an exact rational to float32, ties to even: the FMA's definition."""
     near = np.float32(float(q))
