@@ -253,10 +253,10 @@ def _make_split_image(control, up, norm=False):
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
     @jit(launch_bounds=(SPLIT_PX * ROWS, 3))    # three blocks an SM (at most 85 registers)
-    def split_image(x, peak, words, rows, width, r0, half, live_rows, stats, gw, gb):
+    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb):
         """words = the image [rows W, 2 P] fp16 bits as 4-byte words [rows W, P]: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2); image row i is
-        input row r0 + i, zero outside x and from row live_rows on; channels past C are zero."""
+        input row r0 + i, zero outside x; channels past C are zero."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
         s = scale_of(peak[0])
@@ -271,7 +271,7 @@ def _make_split_image(control, up, norm=False):
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
             y, xx = r0 + i, x0 + tx
-            live = 0 <= y < h and i < live_rows and xx < width
+            live = 0 <= y < h and xx < width
             for j in range(PER_THREAD):                  # every load issued before the first is used
                 c = c0 + ty + j * ROWS
                 got[j] = float32(0.0)
@@ -521,19 +521,17 @@ def chunk_rows(c_in, taps, width):
     return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, live=None, stream=0, control=False):
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False):
     """image [rows W, 2 P] fp16 bits, P = part(C): the split input [hi | 0 | lo | 0] of each pixel of input rows
     r0.. of a conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from
-    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image, and image rows
-    from `live` on (None: all live), are zero."""
+    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero."""
     width = 2 * x.shape[2] if up else x.shape[2]
     rows, p = image.shape[0] // width, image.shape[1] // 2
     tiles = rows * -(-width // SPLIT_PX)
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
     _make_split_image(control, up, norm is not None)[grid, (SPLIT_PX, ROWS), stream](
-        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
-        rows if live is None else int(live), stats, w, b)
+        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b)
 
 
 def _word(*counts):

@@ -10,9 +10,6 @@ float64 decode of the same statement on the GPU (plus our raw output's max abs e
 
     python scripts/gpu_decoder.py --ops 1024     # each op's own error, to find where an excess comes from
     python scripts/gpu_decoder.py --profile      # also where each decode's time goes, kernel by kernel (CUPTI)
-    python scripts/gpu_decoder.py --cudnn-convs plain zero  # also the decode with cuDNN's convolutions (experimental:
-                                                 # cuda_kernels.cudnn_conv), a sum's first convolution in each FIRST form
-    python scripts/gpu_decoder.py --cudnn-ops plain  # which cuDNN convolution differs from the columns, and where
 
 --ops runs our decode eagerly once and holds every op's output against torch float64 of that op on the op's own
 inputs (so each error is the op's, not accumulated), and prints the worst per op kind.
@@ -58,17 +55,6 @@ def random_tensors(config, seed=0):
 def off(a, b):
     d = np.abs(a.astype(int) - b.astype(int))
     return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
-
-
-def where_off(a, b, top=12):
-    """Where the pixels off by more than one lie: the rows holding most of them and the worst pixels (row, column,
-    levels), to tell an engine's wrong edge or chunk rows from rounding spread over the image."""
-    d = np.abs(a.astype(int) - b.astype(int))
-    d = d.max(axis=-1) if d.ndim == 3 else d
-    rows = np.count_nonzero(d > 1, axis=1)
-    worst = np.argsort(d, axis=None)[::-1][:top]
-    return {"rows_most_over_one": [[int(r), int(rows[r])] for r in np.argsort(rows)[::-1][:top] if rows[r]],
-            "worst": [[int(i // d.shape[1]), int(i % d.shape[1]), int(d.flat[i])] for i in worst if d.flat[i] > 1]}
 
 
 def ours_ms(dec, latents, calls):
@@ -147,101 +133,9 @@ def _op_errors(dec, latents):
     return worst
 
 
-def _conv_name(x, w):
-    return f"{w.shape[2]}x{w.shape[3]} {w.shape[1]}->{w.shape[0]} at {x.shape[1]}x{x.shape[2]}"
-
-
-def _conv_difference(name, got, want, top=4):
-    """{"conv": name, "rel": max |got - want| / max |want|, "rows", "cols": where the largest differences lie,
-    "rows_over": rows differing by more than 1e-4 of max |want|} of two conv outputs [C, H, W]."""
-    full = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-    by_row, by_col = full.max(axis=(0, 2)), full.max(axis=(0, 1))
-    scale = max(float(np.abs(want).max()), 1e-30)
-    return {"conv": name, "rel": float(by_row.max() / scale),
-            "rows": [int(r) for r in np.argsort(by_row)[::-1][:top]],
-            "cols": [int(c) for c in np.argsort(by_col)[::-1][:top]],
-            "rows_over": int(np.count_nonzero(by_row > 1e-4 * scale))}
-
-
-def _print_differences(size, calls, every=True):
-    for call in calls:
-        if every or call["rel"] > 1e-5:
-            print(f"{size} {call['conv']:32s} rel {call['rel']:.3g} rows {call['rows']} cols {call['cols']} "
-                  f"rows over 1e-4: {call['rows_over']}", flush=True)
-
-
-def _cudnn_record(ops):
-    """The cuDNN route's geometries refused (to the columns), each plan's check margin, the plans given a zeroed
-    workspace."""
-    from cuda_kernels import cudnn_conv
-    return {"refused": {str(k): v for k, v in ops.__dict__.get("cudnn_refused", {}).items()},
-            "checks": {str(k): v for k, v in cudnn_conv._state.get("checked", {}).items()},
-            "zeroed": [str(k) for k in cudnn_conv._state.get("zeroed", [])]}
-
-
 def _latents(seed, size):
     h = size // 16
     return np.random.default_rng(seed + size).standard_normal((1, 128, h, h)).astype(np.float32)
-
-
-def route_differences(ops, run, top=4):
-    """Run run() with each ops.conv2d call made on ops' route and again on the columns, same inputs: per call,
-    {"conv": shape, "rel": max |route - columns| / max |columns|, "rows": the rows of the largest
-    differences}, in call order (the route's output goes on, so each difference is that conv's own)."""
-    calls = []
-    route = ops.convs
-
-    def both(x, w, b=None, padding=0, residual=None):
-        out = type(ops).conv2d(ops, x, w, b, padding, residual)
-        ops.convs = "columns"
-        try:
-            ref = type(ops).conv2d(ops, x, w, b, padding, residual)
-        finally:
-            ops.convs = route
-        calls.append(_conv_difference(_conv_name(x, w), ops.host(out), ops.host(ref), top))
-        return out
-
-    ops.conv2d = both
-    try:
-        run()
-    finally:
-        del ops.conv2d
-    return calls
-
-
-def graph_probe(tensors, config, latents):
-    """The cuDNN route's conv outputs in a captured graph against an eager decode's, conv by conv: each conv's
-    output copied, inside the graph, into a buffer of its own (outside the pool) and compared after a replay."""
-    from numba import cuda
-    from moss_cli.ops.cuda_decoder import CudaDecoder
-    from moss_cli.ops.cuda_table import numba_stream
-    eager = CudaDecoder(tensors, config, graphs=False, convs="cudnn")
-    want, shapes = [], []
-
-    def keep(x, w, b=None, padding=0, residual=None, _ops=eager.ops):
-        out = type(_ops).conv2d(_ops, x, w, b, padding, residual)
-        want.append(_ops.host(out))
-        shapes.append(_conv_name(x, w))
-        return out
-
-    eager.ops.conv2d = keep
-    pixels = eager.decode(latents)
-    graphed = CudaDecoder(tensors, config, convs="cudnn")
-    ops, probes, count = graphed.ops, [], [0]
-
-    def probe(x, w, b=None, padding=0, residual=None):
-        out = type(ops).conv2d(ops, x, w, b, padding, residual)
-        i = count[0] % len(want)
-        count[0] += 1
-        if len(probes) <= i:                 # the eager pass before the capture: a buffer of its own
-            probes.append(cuda.device_array(out.shape, np.float32))
-        probes[i].copy_to_device(out, stream=numba_stream(ops.stream))
-        return out
-
-    ops.conv2d = probe
-    graph_pixels = graphed.decode(latents)
-    calls = [_conv_difference(name, probe.copy_to_host(), ref) for probe, ref, name in zip(probes, want, shapes)]
-    return {"convs": calls, "graph_vs_eager": off(graph_pixels, pixels)}
 
 
 # --profile's rows: ours by name, the products (cuBLASLt) by theirs
@@ -257,16 +151,6 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
-    parser.add_argument("--cudnn-ops", metavar="FIRST", choices=("plain", "scale", "zero"),
-                        help="one eager decode at each size with cuDNN's convolutions (FIRST form), each conv against "
-                             "the columns on the same input (route_differences), and the graph's pixels against the "
-                             "eager ones; then exit")
-    parser.add_argument("--cudnn-graph-probe", action="store_true",
-                        help="the cuDNN route's graph conv by conv against an eager decode (graph_probe), at each "
-                             "size; then exit")
-    parser.add_argument("--cudnn-convs", nargs="*", metavar="FIRST", choices=("plain", "scale", "zero"),
-                        help="also our decode with cuDNN's convolutions in place of the columns (experimental), "
-                             "once per form of a sum's first convolution (cudnn_conv.FIRST; none: plain)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -278,37 +162,6 @@ def main(argv=None):
         (args.out / "decoder_ops.json").write_text(json.dumps({"size": args.ops, "ops": worst}, indent=1))
         return 0
 
-    if args.cudnn_graph_probe:
-        tensors, record = random_tensors(SMALL, args.seed), {}
-        for size in args.sizes:
-            t0 = time.perf_counter()
-            row = graph_probe(tensors, SMALL, _latents(args.seed, size))
-            row["seconds"] = time.perf_counter() - t0
-            record[f"{size}x{size}"] = row
-            _print_differences(size, row["convs"], every=False)
-            print(f"{size}: graph vs eager pixels {row['graph_vs_eager']} ({row['seconds']:.0f} s)", flush=True)
-            (args.out / "decoder_cudnn_graph_probe.json").write_text(json.dumps(record, indent=1))
-        return 0
-
-    if args.cudnn_ops:
-        from cuda_kernels import cudnn_conv
-        from moss_cli.ops.cuda_decoder import CudaDecoder
-        cudnn_conv.FIRST = args.cudnn_ops
-        tensors, record = random_tensors(SMALL, args.seed), {"first": args.cudnn_ops, "sizes": {}}
-        for size in args.sizes:
-            latents = _latents(args.seed, size)
-            eager, pixels = CudaDecoder(tensors, SMALL, graphs=False, convs="cudnn"), []
-            ops = eager.ops
-            calls = route_differences(ops, lambda: pixels.append(eager.decode(latents)))   # the route's pixels
-            pixels = pixels[0]
-            graphed = CudaDecoder(tensors, SMALL, convs="cudnn").decode(latents)
-            row = {"convs": calls, "graph_vs_eager": off(graphed, pixels), **_cudnn_record(ops)}
-            record["sizes"][f"{size}x{size}"] = row
-            _print_differences(size, calls)
-            print(f"{size} graph vs eager pixels: {row['graph_vs_eager']}", flush=True)
-        (args.out / f"decoder_cudnn_ops_{args.cudnn_ops}.json").write_text(json.dumps(record, indent=1))
-        return 0
-
     import torch
     from reference import vae_decoder
     from torch_timing import by_family, cuda_spans, kernel_table, median_ms, table_lines
@@ -317,7 +170,7 @@ def main(argv=None):
     tensors = random_tensors(SMALL, args.seed)
     dec = CudaDecoder(tensors, SMALL)
     baseline = f"torch {torch.__version__} eager statement of the decoder, fp32 / TF32 convolutions"
-    record = {"config": SMALL, "baseline": baseline, "convs": dec.ops.convs, "sizes": {}}
+    record = {"config": SMALL, "baseline": baseline, "sizes": {}}
     torch.backends.cuda.matmul.allow_tf32 = False
     for size in args.sizes:
         latents = _latents(args.seed, size)
@@ -356,21 +209,6 @@ def main(argv=None):
                                                           ref_pixels)
         del t32
         torch.cuda.empty_cache()
-        for first in ([] if args.cudnn_convs is None else args.cudnn_convs or ["plain"]):
-            from cuda_kernels import cudnn_conv
-            cudnn_conv.FIRST = first
-            name = "ours_cudnn_convs" + ("" if first == "plain" else f"_{first}")
-            variant = CudaDecoder(tensors, SMALL, convs="cudnn")
-            t0 = time.perf_counter()
-            got = variant.decode(latents)
-            row[f"{name}_first_call_s"] = time.perf_counter() - t0      # the plans built and checked, the capture
-            row[f"{name}_ms"] = ours_ms(variant, latents, args.replays)
-            if ref_pixels is not None:
-                row[f"{name}_vs_float64"] = off(got, ref_pixels)
-                row[f"{name}_where_off"] = where_off(got, ref_pixels)
-            cudnn = _cudnn_record(variant.ops)
-            row[f"{name}_refused"], row[f"{name}_zeroed"] = cudnn["refused"], cudnn["zeroed"]
-            del variant
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
     (args.out / "decoder.json").write_text(json.dumps(record, indent=1))

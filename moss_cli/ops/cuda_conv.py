@@ -50,8 +50,6 @@ def _source(x):
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    convs = "columns"          # or "cudnn": cuDNN's implicit-GEMM convolutions over split images (experimental)
-
     def _weight_bits(self, w, make):
         """(make's fp16 bits, peak [1]) of a float32 device weight, on the device, made once per weight."""
         key = (make.__name__, id(w))
@@ -78,16 +76,6 @@ class ConvCudaOps:
         o, c, taps, wide = w.shape
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
-        if self.convs == "cudnn":
-            key = (tuple(w.shape), tuple(x.shape), type(x).__name__)
-            refused = self.__dict__.setdefault("cudnn_refused", {})
-            if key not in refused:
-                try:
-                    return self._conv2d_cudnn(x, w, b, residual)
-                except Exception as e:      # no plan for this geometry, or one that failed its check: the columns
-                    if "cudnn" not in type(e).__module__.lower() and "cudnn" not in str(e).lower():
-                        raise
-                    refused[key] = f"{type(e).__name__}: {str(e)[:200]}"
         src, up, norm = _source(x)
         _, h, width = x.shape
         weight, peak_w = self._split_weight(w)
@@ -105,34 +93,6 @@ class ConvCudaOps:
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
-        return out
-
-    def _conv2d_cudnn(self, x, w, b, residual):
-        """conv2d as cuDNN convolutions over each row chunk's split image (cuda_kernels.cudnn_conv)."""
-        from cuda_kernels import cudnn_conv
-        o, c, taps, _ = w.shape
-        pad = taps // 2
-        src, up, norm = _source(x)
-        _, h, width = x.shape
-        weights, peak_w = self._weight_bits(w, cudnn_conv.weight_windows)
-        peak = self._peak(src, norm)
-        out = self.new((o, h, width))
-        p, o8 = conv.part(c), conv.product_rows(o)
-        rows = max(1, min(h, conv.COLUMN_BYTES // (width * 2 * p * 2) - 2 * pad))
-        tail = cudnn_conv.TAIL
-        image = self.new(((conv.image_rows(rows, taps) + tail) * width, 2 * p), np.uint16)
-        ys = [self.new((rows * width, o8)) for _ in range(2)]
-        flat = out.reshape(o, h * width)
-        res = None if residual is None else residual.reshape(o, h * width)
-        for r0 in range(0, h, rows):
-            n = min(rows, h - r0)
-            live = conv.image_rows(n, taps)
-            conv.split_image(src, peak, image[:(live + tail) * width], r0 - pad, up, norm, live=live,
-                             stream=self.stream)
-            space = self.new((cudnn_conv.workspace_bytes(n, width, c, o8, taps),), np.uint8)
-            d = cudnn_conv.convolve(image[:live * width], weights, [y[:n * width] for y in ys], n, width,
-                                    c, taps, space, stream=self.stream)
-            conv.finish(d[:, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res, stream=self.stream)
         return out
 
     def group_norm(self, x, groups, w, b, eps):

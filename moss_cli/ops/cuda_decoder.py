@@ -40,16 +40,10 @@ class DecoderOps(CudaOps):
 class CudaDecoder:
     """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
-    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way).
-    convs: "columns" (im2col + cuBLASLt split products, the product's path) or "cudnn" (experimental: cuDNN's
-    convolutions over split images, cuda_kernels.cudnn_conv; a geometry cuDNN builds no plan for takes the
-    columns, as does one whose plan fails cudnn_conv.check; listed in ops.cudnn_refused)."""
+    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way)."""
 
-    def __init__(self, tensors, config, graphs=True, convs="columns"):
-        if convs not in ("cudnn", "columns"):
-            raise ValueError(f"convs is 'columns' or 'cudnn', not {convs!r}")
+    def __init__(self, tensors, config, graphs=True):
         self.ops = DecoderOps()
-        self.ops.convs = convs
         self.decoder = Decoder(self.ops, tensors, config)
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
