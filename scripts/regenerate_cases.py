@@ -34,8 +34,11 @@ from pathlib import Path
 import numpy as np
 
 # torch's CPU kernels are picked by the processor's instruction set, and AVX-512 ones sum float32 in
-# another order than AVX2 ones: the committed bytes come from the AVX2 kernels, so use those everywhere
+# another order than AVX2 ones: the committed bytes come from the AVX2 kernels, so use those everywhere; oneDNN
+# (torch's CPU convolutions, the VAE decode) picks its own, and on an AVX-512/AMX processor puts one of the
+# picture's values one level off unless held to AVX2 as well
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 import torch                                   # noqa: E402
 from safetensors.torch import load_file        # noqa: E402
 
@@ -222,7 +225,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="regenerate into a temp folder and compare with SHA256SUMS")
     p.add_argument("--real", metavar="DIR", help="the real MOSS-Image folder (official pipeline; needs a GPU)")
-    p.add_argument("--out", default=str(CASES), help="output folder")
+    p.add_argument("--out", default=str(CASES), help="output folder (the tiny cases, or the real run's)")
     p.add_argument("--prompt", default="a red fox in the snow")
     p.add_argument("--negative", default="")
     p.add_argument("--seed", type=int, default=42)
@@ -242,8 +245,9 @@ def main():
             return 1
         print("cases reproduce SHA256SUMS")
         return 0
-    (CASES / "SHA256SUMS").write_text(regenerate(CASES))
-    print(f"wrote {CASES / 'SHA256SUMS'}")
+    out = Path(args.out)
+    (out / "SHA256SUMS").write_text(regenerate(out))
+    print(f"wrote {out / 'SHA256SUMS'}")
     return 0
 
 
