@@ -30,6 +30,15 @@ limit="timeout ${STEP_TIMEOUT:-900}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import numpy, numba, numba_cuda, nvmath, cuda.core, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'nvmath', nvmath.__version__, 'cuda.core', cuda.core.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 python3 -c "from cuda_kernels import sdpa; print(sdpa.available())" 2>&1 | tee -a "$OUT/device.txt"
+# PACK=FILE: the logs with this machine's paths replaced, and every output, packed into FILE as well, after each
+# step (a device call brings back at most 8 files, and a call cut short keeps what its finished steps packed):
+#   PACK=$OUT/all.tgz OUT=/tmp/o bash scripts/gpu_run.sh ...   (PACK first, so $OUT is the call's)
+pack() {
+  [ -z "${PACK:-}" ] && return 0
+  sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" \
+    "$OUT"/*.txt "$OUT"/*.log "$OUT"/*.json 2>/dev/null
+  tar czf "$PACK.part" --exclude="./$(basename "$PACK")*" -C "$OUT" . && mv "$PACK.part" "$PACK"
+}
 status=0
 for step in "$@"; do
   echo "== $step" | tee -a "$OUT/steps.txt"
@@ -79,18 +88,13 @@ for step in "$@"; do
               | tee -a "$OUT/picture.txt"
           fi ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
-    *) echo "unknown step $step"; status=1 ;;
+    *) echo "unknown step $step"; false ;;
   esac
   rc=$?
   [ $rc -ne 0 ] && status=$rc
   [ "$step" = contract ] && [ $rc -eq 0 ] && contract_ok=1
   echo "== $step rc=$rc $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
+  pack
 done
-# PACK=FILE: the logs with this machine's paths replaced, and every output, packed into FILE as well (a device
-# call brings back at most 8 files: PACK=$OUT/all.tgz OUT=/tmp/o bash scripts/gpu_run.sh ..., PACK first)
-if [ -n "${PACK:-}" ]; then
-  sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" \
-    "$OUT"/*.txt "$OUT"/*.log "$OUT"/*.json 2>/dev/null
-  tar czf "$PACK" --exclude="./$(basename "$PACK")" -C "$OUT" . || status=1
-fi
+pack || status=1
 exit $status
