@@ -50,20 +50,16 @@ def _source(x):
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    def _weight_bits(self, w, make):
-        """(make's fp16 bits, peak [1]) of a float32 device weight, on the device, made once per weight."""
-        key = (make.__name__, id(w))
+    def _split_weight(self, w):
+        """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
+        [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight."""
+        key = ("weight_matrix", id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = make(w.copy_to_host())
+            bits, peak = conv.weight_matrix(w.copy_to_host())
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
-
-    def _split_weight(self, w):
-        """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
-        [O, C, k, k] or linear [O, C]): conv.weight_matrix."""
-        return self._weight_bits(w, conv.weight_matrix)
 
     def _peak(self, x, norm=None):
         peak = self.new((1,))
