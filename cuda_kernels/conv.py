@@ -13,7 +13,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32
 
 from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit, ptx_op
 
