@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from moss_cli.schedule import sigmas as schedule_sigmas, timesteps  # noqa: E402
 from moss_cli.transformer import DEFAULTS, expected_tensors  # noqa: E402
-from reference.dit import Statement  # noqa: E402
+from reference.dit import Statement, random_vector  # noqa: E402
 
 E4M3_MAX = 448.0
 MLP = ("proj.ffn_up_gate", "proj.ffn_down")
@@ -65,16 +65,13 @@ class Rounded(Statement):
 
 
 def random_weights(cfg, gen):
-    """Matrices N(0, 0.02) and vectors of realistic scale (norm weights 1 + 0.1 N, the rest 0.02 N), as bf16."""
+    """Matrices N(0, 0.02) and vectors of realistic scale (reference.dit.random_vector), as bf16."""
     sd = {}
     for name, shape in expected_tensors(cfg).items():
         if len(shape) == 2:
             v = torch.randn(shape, generator=gen) * 0.02
-        elif name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
-                or "norm_video" in name:
-            v = 1 + 0.1 * torch.randn(shape, generator=gen)
         else:
-            v = 0.02 * torch.randn(shape, generator=gen)
+            v = random_vector(name, shape, lambda size: torch.randn(size, generator=gen))
         sd[name] = v.to(torch.bfloat16)
     return sd
 

@@ -35,7 +35,7 @@ from moss_cli.schedule import sigmas as schedule_sigmas, timesteps
 from moss_cli.transformer import DEFAULTS, expected_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference.dit import Statement as TorchDit  # noqa: E402
+from reference.dit import Statement as TorchDit, random_vector  # noqa: E402
 from torch_timing import cuda_spans, kernel_table, median_ms, table_lines  # noqa: E402
 
 TEXT = 300
@@ -75,11 +75,7 @@ def make_weights(cfg, seed=0):
             ours[name] = arr
             theirs[name] = torch.as_tensor(arr.view(np.int16), device="cuda").view(torch.bfloat16)
         else:
-            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
-                    or "norm_video" in name:
-                v = 1 + 0.1 * rng.standard_normal(shape)
-            else:
-                v = 0.02 * rng.standard_normal(shape)
+            v = random_vector(name, shape, rng.standard_normal)
             v = torch.as_tensor(v, dtype=torch.float32).to(torch.bfloat16)       # the checkpoint's bf16
             ours[name] = v.float().numpy()
             theirs[name] = v.cuda()

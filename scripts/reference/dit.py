@@ -27,6 +27,14 @@ def load_weights(folder):
     return out
 
 
+def random_vector(name, shape, normal):
+    """A 1-D tensor of realistic scale for random-weight runs: norm weights 1 + 0.1 N, the rest 0.02 N;
+    normal(shape) draws the N (numpy's or torch's generator)."""
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or "norm_video" in name:
+        return 1 + 0.1 * normal(shape)
+    return 0.02 * normal(shape)
+
+
 def _params(sd):
     return {k: v if isinstance(v, torch.Tensor) else torch.tensor(np.asarray(v, dtype=np.float64))
             for k, v in sd.items()}
