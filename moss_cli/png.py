@@ -6,8 +6,8 @@ filtered rows are deflated in bands of BAND_BYTES (whole rows) at ZLIB_LEVEL, ea
 and ended with a sync flush, so the bands join into one zlib stream whose Adler-32 covers them all. The bands
 are fixed by the picture's width, not by the machine's cores, so the bytes depend only on the pixels, the
 text and the zlib build: two runs, or two processes, with one installation write identical files
-(tests/test_png.py checks it across processes). A 1024x1024 picture took 0.27 s through Pillow's
-single-threaded writer and takes 0.03 s here on 16 cores (BENCHMARKS.md, the whole picture).
+(tests/test_png.py checks it across processes). A 1024x1024 picture takes 0.27 s through Pillow's
+single-threaded writer and 0.03 s here on 16 cores (BENCHMARKS.md, the whole picture).
 Reading goes through Pillow, with `verify()` first so that a damaged chunk (CRC mismatch) or a truncated
 file is refused rather than decoded into wrong pixels.
 """
