@@ -27,7 +27,6 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -387,17 +386,8 @@ def main(argv=None):
             sys.exit(f"{out}: exists and is not empty; pass --force to replace it")
         if not (out / "model_index.json").is_file():
             sys.exit(f"{out}: exists and is not a checkpoint folder; refusing to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        write_checkpoint(staging, args.scale, args.seed, args.threads)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    files = sorted(p for p in out.rglob("*") if p.is_file())
+    files = tiny.write_in_place(out, lambda staging: write_checkpoint(staging, args.scale, args.seed, args.threads))
     print(f"{out}: {len(files)} files, {sum(p.stat().st_size for p in files) / 1e9:.2f} GB, "
           f"{time.perf_counter() - start:.1f} s", flush=True)
 

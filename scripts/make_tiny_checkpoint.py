@@ -357,20 +357,26 @@ def write_checkpoint(out):
     write_json(out / "scheduler" / "scheduler_config.json", SCHEDULER)
 
 
-def main(argv):
-    out = Path(argv[0]) if argv else ROOT / "moss_cli" / "tiny"
-    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
-        sys.exit(f"{out}: exists and is not a checkpoint folder; refusing to replace it")
+def write_in_place(out, write):
+    """write(folder) into a staging folder beside `out`, which then replaces `out`: a killed writer leaves
+    `out` as it was. Returns the files written, sorted."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        write_checkpoint(staging)
+        write(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    files = sorted(p for p in out.rglob("*") if p.is_file())
+    return sorted(p for p in out.rglob("*") if p.is_file())
+
+
+def main(argv):
+    out = Path(argv[0]) if argv else ROOT / "moss_cli" / "tiny"
+    if out.exists() and any(out.iterdir()) and not (out / "model_index.json").is_file():
+        sys.exit(f"{out}: exists and is not a checkpoint folder; refusing to replace it")
+    files = write_in_place(out, write_checkpoint)
     print(f"{out}: {len(files)} files, {sum(p.stat().st_size for p in files)} bytes")
 
 
