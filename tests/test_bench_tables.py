@@ -1,6 +1,6 @@
 """scripts/bench_tables.py turns a device run's raw outputs into BENCHMARKS.md's tables: checked on the raw
-outputs in results/h200 (the decoder's in results/h100: at 2048 it has no float64 decode), whose figures the
-tables must carry."""
+outputs of the one-call benchmark in results/h100 (at 2048 its decoder has no float64 decode), whose figures
+the tables must carry."""
 
 import shutil
 import subprocess
@@ -8,29 +8,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results" / "h200"
+RESULTS = ROOT / "results" / "h100"
+RUN = "9c6b5ad"
 
 
 def test_tables_carry_the_run_figures(tmp_path):
-    for what, commit in (("encoder_9b", "4457221"), ("encoder_baseline_fla", "4457221"), ("dit", "3c4ee46"),
-                         ("load", "3c4ee46"), ("picture", "3c4ee46")):
-        shutil.copy(RESULTS / f"{what}-{commit}.json", tmp_path / f"{what}.json")
-    shutil.copy(ROOT / "results" / "h100" / "decoder-9c6b5ad.json", tmp_path / "decoder.json")
+    for what in ("encoder_9b", "encoder_baseline_fla", "dit", "decoder", "load", "picture"):
+        shutil.copy(RESULTS / f"{what}-{RUN}.json", tmp_path / f"{what}.json")
     out = tmp_path / "tables.md"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
-    for figure in ("5.83 ms", "92.1 ms", "15.81", "183.9 ms", "314.7 ms", "132.4 ms", "1.71", "0.0578",
-                   "150.1 ms, 0.0356 % off", "241.9 ms", "716.8 ms, float64 out of memory", "2.99 s", "1024x1024 #0", "16.94 s", "27.4 GB"):
+    for figure in ("7.76 ms", "55.8 ms", "7.19", "178.9 ms", "334.1 ms", "130.9 ms", "1.87", "0.0578",
+                   "150.1 ms, 0.0356 % off", "241.9 ms", "716.8 ms, float64 out of memory", "2.44 s", "1024x1024 #1",
+                   "8.32 s", "27.4 GB"):
         assert figure in text, figure
     assert text.count("### ") == 5
 
 
 def test_the_second_encoder_baseline_only_where_it_bound_flash_linear_attention(tmp_path):
     """A baseline run whose transformers fell back to torch (the package missing) is not shown as fla's."""
-    shutil.copy(RESULTS / "encoder_9b-4457221.json", tmp_path / "encoder_9b.json")
-    shutil.copy(RESULTS / "encoder_baseline_torch-4457221.json", tmp_path / "encoder_baseline_fla.json")
+    shutil.copy(RESULTS / f"encoder_9b-{RUN}.json", tmp_path / "encoder_9b.json")
+    shutil.copy(RESULTS / f"encoder_baseline_torch-{RUN}.json", tmp_path / "encoder_baseline_fla.json")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -38,7 +38,7 @@ def test_the_second_encoder_baseline_only_where_it_bound_flash_linear_attention(
 
 
 def test_a_missing_output_leaves_its_table_out(tmp_path):
-    shutil.copy(RESULTS / "dit-4457221.json", tmp_path / "dit.json")
+    shutil.copy(RESULTS / f"dit-{RUN}.json", tmp_path / "dit.json")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
