@@ -37,7 +37,9 @@ pack() {
   [ -z "${PACK:-}" ] && return 0
   sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" \
     "$OUT"/*.txt "$OUT"/*.log "$OUT"/*.json 2>/dev/null
-  tar czf "$PACK.part" --exclude="./$(basename "$PACK")*" -C "$OUT" . && mv "$PACK.part" "$PACK"
+  # the archive is made outside $OUT (one written into the folder tar reads changes it under tar) and moved in
+  local part="${TMPDIR:-/tmp}/pack-$$.tgz"
+  tar czf "$part" --exclude="./$(basename "$PACK")" -C "$OUT" . && mv "$part" "$PACK"
 }
 status=0
 for step in "$@"; do
@@ -94,7 +96,6 @@ for step in "$@"; do
   [ $rc -ne 0 ] && status=$rc
   [ "$step" = contract ] && [ $rc -eq 0 ] && contract_ok=1
   echo "== $step rc=$rc $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
-  pack
+  pack || status=1
 done
-pack || status=1
 exit $status
