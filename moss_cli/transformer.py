@@ -132,6 +132,32 @@ class Text:
     length: int
 
 
+class RefinedTexts:
+    """refine(rows) -> Text, kept for the last `keep` distinct rows: a later picture of the same prompt, and
+    every picture's negative prompt, reuse the refined tokens. Rows match only bit for bit (same dtype, shape
+    and bytes), so a reused Text is the one refine would give. `own(text)` makes the kept copy (the GPU's
+    refined tokens live in pool blocks that later graphs are planned to reuse, so it copies them out)."""
+
+    def __init__(self, refine, own=lambda text: text, keep=8):
+        self._refine, self._own, self._keep = refine, own, keep
+        self._kept = []           # (rows, Text), the most recently used last
+        self.hits = self.misses = 0
+
+    def __call__(self, rows):
+        rows = np.ascontiguousarray(rows)
+        for i, (seen, text) in enumerate(self._kept):
+            if seen.dtype == rows.dtype and seen.shape == rows.shape and \
+                    np.array_equal(seen.reshape(-1).view(np.uint8), rows.reshape(-1).view(np.uint8)):
+                self._kept.append(self._kept.pop(i))
+                self.hits += 1
+                return text
+        text = self._own(self._refine(rows))
+        self.misses += 1
+        self._kept.append((rows.copy(), text))
+        del self._kept[:-self._keep]
+        return text
+
+
 class MossTransformer:
     """MOSSImageTransformer over an op table and a tensors mapping with the checkpoint's names."""
 

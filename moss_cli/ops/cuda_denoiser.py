@@ -6,7 +6,9 @@ without its skipped blocks, the CFG combination and the Euler update) is one CUD
 A step reads its scalars (the time sinusoid, dt, the guidance) from a small device buffer that one
 device-to-device copy refreshes before each replay, from a table of every step's values made up front.
 It reads the refined texts from fixed buffers, one per (pass, length), into which each trajectory copies its
-prompt's tokens first: a new prompt of a length seen before replays the graphs already captured.
+prompt's tokens first: a new prompt of a length seen before replays the graphs already captured. The refined
+texts of the last few distinct prompts are kept, so a later picture of the same prompt (and every negative
+prompt after the first) skips the refiner.
 """
 
 import time
@@ -17,8 +19,15 @@ from numba import cuda
 from cuda_kernels import dit
 
 from ..schedule import timesteps
-from ..transformer import MossTransformer, Text, check_layers, time_sinusoid
+from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
 from .cuda_table import CudaOps, numba_stream, planned_capture
+
+
+def _owned(text):
+    """text with its tokens copied out of the pool into memory of their own (queued after the refiner)."""
+    tokens = cuda.device_array(text.tokens.shape, text.tokens.dtype)
+    tokens.copy_to_device(text.tokens)
+    return Text(tokens, text.length)
 
 
 class CudaDenoiser:
@@ -34,17 +43,18 @@ class CudaDenoiser:
         self._fixed = {}
         self._slots = {}
         self.timings = {}
+        self._texts = RefinedTexts(self.model.prepare_text, own=_owned)
 
     def upload(self):
         """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager pass on a 2x2-token
         image and an 8-token text."""
-        text = self.prepare_text(np.zeros((8, self.config["text_dim"]), np.float32))
+        text = self.model.prepare_text(np.zeros((8, self.config["text_dim"]), np.float32))
         self.model.velocity(np.zeros((1, self.config["latent_channels"], 2, 2), np.float32), 1000.0, text)
         cuda.synchronize()
 
     def prepare_text(self, rows):
-        """The text refiner on one prompt's rows (eager: once per prompt)."""
-        return self.model.prepare_text(rows)
+        """The text refiner on one prompt's rows (eager), once per distinct rows (RefinedTexts)."""
+        return self._texts(rows)
 
     # --- the step graph --------------------------------------------------------------------
     def _step(self, size, x, step, cond, uncond, skip, cfg, velocity):

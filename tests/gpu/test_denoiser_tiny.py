@@ -112,3 +112,16 @@ def test_a_new_prompt_of_the_same_lengths_replays_the_captured_graphs(component)
     _, _, fresh = _gpu_trace(component, 4, 4, seeds=(3, 4))
     assert second.tobytes() == fresh.tobytes()
     assert first.tobytes() != second.tobytes()
+
+
+def test_a_prompt_seen_before_reuses_its_refined_text_and_gives_the_same_bytes(component):
+    """A, B, then A again on one denoiser: the third trajectory's texts come from the kept copies (no
+    refiner run), and its latents equal the first's byte for byte, so the kept tokens are the refiner's and
+    B's trajectory wrote nothing into them."""
+    dit = _denoiser(component)
+    _, _, first = _gpu_trace(component, 4, 4, dit=dit)
+    _gpu_trace(component, 4, 4, dit=dit, seeds=(3, 4))
+    refined = dit._texts.misses
+    _, _, again = _gpu_trace(component, 4, 4, dit=dit)
+    assert dit._texts.misses == refined == 4 and dit._texts.hits == 2
+    assert again.tobytes() == first.tobytes()
