@@ -3,7 +3,8 @@
 Every check runs before any work. Then each distinct prompt is encoded once (the negative once for all of
 them, through `stages.encode`'s cache), the weights stay resident in the stages' Model objects, and each
 picture is made by the same stage functions on the same bytes as a single run: each PNG equals, byte for
-byte, the one `moss-image` makes for that prompt and seed alone.
+byte, the one `moss-image` makes for that prompt and seed alone. The next picture's noise is drawn on a host
+thread while the current one denoises.
 """
 
 import dataclasses
@@ -211,6 +212,8 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
     groups = {}
     for picture in pictures:
         groups.setdefault(picture.prompt.text, []).append(picture)
+    order = [picture for group in groups.values() for picture in group]
+    following = {id(a): b.seed for a, b in zip(order, order[1:])}    # whose noise is drawn during each picture
     negative_cache = {}
     number = 0
     for text, group in groups.items():
@@ -224,7 +227,8 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             number += 1
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
-            lat_bytes, _ = stages.denoise(model_for("denoise"), enc, dataclasses.replace(options, seed=picture.seed))
+            lat_bytes, _ = stages.denoise(model_for("denoise"), enc, dataclasses.replace(options, seed=picture.seed),
+                                          next_seed=following.get(id(picture)))
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)

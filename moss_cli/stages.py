@@ -117,6 +117,28 @@ class Model:
         self.device = device
         self.progress = progress or Silent()
         self.ops = numpy_ops(np.float32)
+        self._ahead = None        # ((shape, seed, kernel), the future of its noise) from draw_noise_ahead
+        self._noise_thread = None
+
+    def noise(self, shape, seed, kernel):
+        """noise.randn(shape, seed, kernel): the draw that draw_noise_ahead started when it is this one, else
+        drawn now. Either way the same bits: the draw depends on its arguments only."""
+        from . import noise
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (tuple(shape), seed, kernel):
+            return ahead[1].result()
+        return noise.randn(shape, seed, kernel=kernel)
+
+    def draw_noise_ahead(self, shape, seed, kernel):
+        """Start drawing a later picture's noise on a host thread, to overlap the current picture's GPU work
+        (the host waits on the GPU then); the next `noise` call with these arguments takes it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from . import noise
+        if self._noise_thread is None:
+            self._noise_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
+        key = (tuple(shape), seed, kernel)
+        self._ahead = (key, self._noise_thread.submit(noise.randn, key[0], seed, kernel=kernel))
 
     @property
     def fingerprint(self):
@@ -203,9 +225,17 @@ def _rows(enc, role, text_dim):
     return rows
 
 
-def denoise(model, enc, options, trace=False):
-    """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options."""
-    from . import noise, sampler
+def noise_shape(model, options):
+    """[1, C, h, w] of the packed latents (and of the noise) for the options' picture size."""
+    channels = int(model.checkpoint.config("transformer").get("latent_channels", 128))
+    return (1, channels, options.height // PATCH, options.width // PATCH)
+
+
+def denoise(model, enc, options, trace=False, next_seed=None):
+    """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options. NEXT_SEED: the seed
+    of the picture made after this one, with the same options: its noise is drawn on a host thread while
+    this picture denoises (Model.draw_noise_ahead)."""
+    from . import sampler
 
     options.check()
     text_dim = int(model.checkpoint.config("transformer").get("text_dim", 4096))
@@ -216,9 +246,10 @@ def denoise(model, enc, options, trace=False):
     if options.cfg and uncond_rows is None:
         raise UsageError(f"guidance {options.guidance} needs negative rows, but {enc.source} was encoded with "
                          "--no-negative; encode again with a negative prompt or use --guidance 1")
-    channels = int(model.checkpoint.config("transformer").get("latent_channels", 128))
-    shape = (1, channels, options.height // PATCH, options.width // PATCH)
-    x0 = noise.randn(shape, options.seed, kernel=options.noise)
+    shape = noise_shape(model, options)
+    x0 = model.noise(shape, options.seed, options.noise)
+    if next_seed is not None:
+        model.draw_noise_ahead(shape, next_seed, options.noise)
     sig = schedule.sigmas(options.steps, shift=options.shift)
     dit = model.transformer
     cond = dit.prepare_text(cond_rows)

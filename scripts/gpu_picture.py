@@ -1,7 +1,8 @@
 """The whole picture on the GPU from a real-size MOSS-Image folder (scripts/make_real_checkpoint.py makes a
 random one): the product's own path (stages.Model with device cuda, as moss-image runs it), timed stage by
-stage, for each size twice (the second picture, another seed, reuses the loaded weights and the captured
-graphs).
+stage, for each size twice (the second picture, another seed, reuses the loaded weights, the captured
+graphs and the refined texts, and its noise is drawn on a host thread while the first denoises, as
+`moss-image` does with several seeds).
 
 Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
@@ -89,7 +90,8 @@ def main():
             enc = artifacts.parse(enc_bytes, "ENC", "encode", model.fingerprint)
             t1 = time.perf_counter()
             opts = stages.SamplingOptions(seed=42 + rep, steps=args.steps, guidance=args.guidance, width=size, height=size)
-            lat_bytes, _ = stages.denoise(model, enc, opts)
+            # as moss-image with several seeds: the second picture's noise is drawn while the first denoises
+            lat_bytes, _ = stages.denoise(model, enc, opts, next_seed=42 + 1 if rep == 0 else None)
             lat = artifacts.parse(lat_bytes, "LAT", "denoise", model.fingerprint)
             t2 = time.perf_counter()
             try:

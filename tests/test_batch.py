@@ -212,3 +212,58 @@ def test_pngs_are_written_behind_the_next_picture_in_order_and_a_failed_write_ra
     with pytest.raises(UsageError, match="bad: cannot write"):
         next(got)
     assert [p.path for p in made] == ["a", "bad", "c"]   # the picture after the failed one was made, no more
+
+
+def test_a_noise_drawn_ahead_is_taken_only_by_its_own_picture_and_is_the_same_draw(monkeypatch):
+    """Model.draw_noise_ahead draws on a host thread; Model.noise takes that draw only for the same shape,
+    seed and kernel, and otherwise draws now. The bits are noise.randn's either way."""
+    import threading
+
+    from moss_cli import noise, stages
+    from moss_cli.checkpoint import open_checkpoint
+    real, where = noise.randn, []
+
+    def spy(shape, seed, kernel="avx2"):
+        where.append((seed, threading.current_thread() is threading.main_thread()))
+        return real(shape, seed, kernel=kernel)
+
+    monkeypatch.setattr(noise, "randn", spy)
+    model, shape = stages.Model(open_checkpoint()), (1, 128, 3, 4)
+    model.draw_noise_ahead(shape, 11, "avx2")
+    assert model.noise(shape, 11, "avx2").tobytes() == real(shape, 11).tobytes()
+    assert where == [(11, False)]
+    for asked in ((shape, 13, "avx2"), ((1, 128, 4, 3), 12, "avx2"), (shape, 12, "generic")):
+        where.clear()
+        model.draw_noise_ahead(shape, 12, "avx2")
+        ahead = model._ahead[1]
+        assert model.noise(*asked).tobytes() == real(*asked[:2], kernel=asked[2]).tobytes()
+        ahead.result()
+        assert sorted(where) == sorted([(12, False), (asked[1], True)])
+    where.clear()
+    model.draw_noise_ahead(shape, 12, "avx2")
+    ahead = model._ahead[1]
+    model.noise(shape, 13, "avx2")
+    model.noise(shape, 12, "avx2")               # the draw ahead went to the picture before: drawn now
+    ahead.result()
+    assert sorted(where) == [(12, False), (12, True), (13, True)]
+
+
+def test_each_picture_after_the_first_takes_the_noise_drawn_during_the_one_before(tmp_path, monkeypatch):
+    from moss_cli import stages
+    from moss_cli.checkpoint import open_checkpoint
+    from moss_cli.progress import Silent
+    model, taken, real = stages.Model(open_checkpoint()), [], stages.Model.noise
+
+    def spy(self, shape, seed, kernel):
+        taken.append((seed, self._ahead[0][1] if self._ahead else None))
+        return real(self, shape, seed, kernel)
+
+    monkeypatch.setattr(stages.Model, "noise", spy)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\na blue fox\n")
+    pictures = batch.plan(None, str(prompts), ["7,11"], str(tmp_path / "f-{index}-{seed}.png"))
+    options = stages.SamplingOptions(seed=0, width=32, height=32, steps=1)
+    done = list(batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, model.fingerprint,
+                          None, Silent()))
+    assert len(done) == 4
+    assert taken == [(7, None), (11, 11), (7, 7), (11, 11)]
