@@ -106,6 +106,8 @@ def main():
                    "dit_gpu_ms_per_step": getattr(model.transformer, "timings", {"gpu_s": 0.0})["gpu_s"]
                    / args.steps * 1e3}
             timings = getattr(model.transformer, "timings", {})
+            texts = getattr(model.transformer, "texts", None)      # the kept refined texts (CudaDenoiser)
+            row["refined_texts"] = {"refined": texts.misses, "reused": texts.hits} if texts else None
             row["dit_loop_s"] = timings.get("wall_s", 0.0)        # denoise_s less this: the stage's own work
             row.update(_parts(model, lat, png, size, opts.seed))
             if clock.first_step is not None and not out["pictures"]:

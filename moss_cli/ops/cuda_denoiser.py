@@ -43,7 +43,7 @@ class CudaDenoiser:
         self._fixed = {}
         self._slots = {}
         self.timings = {}
-        self._texts = RefinedTexts(self.model.prepare_text, own=_owned)
+        self.texts = RefinedTexts(self.model.prepare_text, own=_owned)
 
     def upload(self):
         """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager pass on a 2x2-token
@@ -54,7 +54,7 @@ class CudaDenoiser:
 
     def prepare_text(self, rows):
         """The text refiner on one prompt's rows (eager), once per distinct rows (RefinedTexts)."""
-        return self._texts(rows)
+        return self.texts(rows)
 
     # --- the step graph --------------------------------------------------------------------
     def _step(self, size, x, step, cond, uncond, skip, cfg, velocity):

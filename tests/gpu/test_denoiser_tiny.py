@@ -121,7 +121,7 @@ def test_a_prompt_seen_before_reuses_its_refined_text_and_gives_the_same_bytes(c
     dit = _denoiser(component)
     _, _, first = _gpu_trace(component, 4, 4, dit=dit)
     _gpu_trace(component, 4, 4, dit=dit, seeds=(3, 4))
-    refined = dit._texts.misses
+    refined = dit.texts.misses
     _, _, again = _gpu_trace(component, 4, 4, dit=dit)
-    assert dit._texts.misses == refined == 4 and dit._texts.hits == 2
+    assert dit.texts.misses == refined == 4 and dit.texts.hits == 2
     assert again.tobytes() == first.tobytes()
