@@ -28,15 +28,19 @@ def available():
     return _state["ok"]
 
 
-def build(graph):
-    """Validate a cuDNN graph and build its plans (the heuristic's, with the fallback engines); returns its
-    workspace bytes (at least 1)."""
+def build(graph, every=False):
+    """Validate a cuDNN graph and build its plan: the first of the heuristic's ranking (mode A, then the
+    fallback engines) that builds, or with `every` each ranked plan that builds (for timing them one by one,
+    execute_plan_at_index). Returns the built plan's workspace bytes (at least 1)."""
     import cudnn
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
-    graph.build_plans()
+    if every:
+        graph.build_plans(cudnn.build_plan_policy.ALL)
+    else:
+        graph.build_plans()
     return max(1, graph.get_workspace_size())
 
 
@@ -48,7 +52,7 @@ def _strides(a):
 class _Plan:
     """A built cuDNN SDPA graph for one geometry, its tensors and workspace."""
 
-    def __init__(self, shape, strides, scale):
+    def __init__(self, shape, strides, scale, every=False):
         import cudnn
         handle = _state["handle"]
         s, h, d = shape
@@ -67,7 +71,7 @@ class _Plan:
             .set_data_type(cudnn.data_type.BFLOAT16)
         self.o = o
         self.graph = g
-        self.workspace = cuda.device_array(build(g), np.uint8)
+        self.workspace = cuda.device_array(build(g, every), np.uint8)
 
 
 def supports(q, k, v, out, scale):
@@ -88,6 +92,34 @@ def _plan(q, k, v, out, scale):
     if plan is None:
         plan = plans[key] = _Plan(q.shape, key[1], scale)
     return plan
+
+
+def plan_times(q, k, v, out, scale, stream, reps=20):
+    """[(plan name, ms a call or why it did not run)] for every plan cuDNN ranks for this geometry, in
+    ranking order (index 0 is the one `attention` runs), each timed with CUDA events over `reps` calls on
+    `stream` (a numba stream) after one warm-up call. A probe for the benchmark: the plans are built apart
+    from the kept ones."""
+    import cudnn
+    plan = _Plan(tuple(q.shape), tuple(_strides(a) for a in (q, k, v, out)), scale, every=True)
+    g, handle = plan.graph, _state["handle"]
+    cudnn.set_stream(handle, stream_handle(stream))
+    pack = {plan.q: pointer(q), plan.k: pointer(k), plan.v: pointer(v), plan.o: pointer(out)}
+    times = []
+    for i in range(g.get_execution_plan_count()):
+        try:
+            name = g.get_plan_name_at_index(i)
+            space = cuda.device_array(max(1, g.get_workspace_size_plan_at_index(i)), np.uint8)
+            g.execute_plan_at_index(pack, pointer(space), index=i, handle=handle)
+            start, stop = cuda.event(), cuda.event()
+            start.record(stream)
+            for _ in range(reps):
+                g.execute_plan_at_index(pack, pointer(space), index=i, handle=handle)
+            stop.record(stream)
+            stop.synchronize()
+            times.append((name, cuda.event_elapsed_time(start, stop) / reps))
+        except Exception as e:        # a plan that did not build, or declines this geometry
+            times.append((f"plan {i}", f"{type(e).__name__}: {e}"[:160]))
+    return times
 
 
 def attention(q, k, v, out, scale, stream=0):

@@ -238,6 +238,10 @@ def main():
     b.record(queue)
     b.synchronize()
     ours_graph = cuda.event_elapsed_time(a, b) / 200
+    try:        # every plan cuDNN ranks for this geometry, each timed alone (index 0 is ours)
+        plans = [[name, ms] for name, ms in sdpa.plan_times(qn, kn, vn, on, D ** -0.5, stream)]
+    except Exception as e:
+        plans = f"{type(e).__name__}: {e}"[:200]
     q, k, v = (qkv[:, i].transpose(0, 1)[None] for i in range(3))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backends = {}
@@ -250,6 +254,7 @@ def main():
             backends[name] = f"unavailable: {e}"[:120]
     best = min(t_ for t_ in backends.values() if isinstance(t_, float))
     out["attention_4396"] = {"ours_cudnn_frontend_eager_ms": ours_att, "ours_cudnn_frontend_graph_ms": ours_graph,
+                             "cudnn_plans_ms": plans,
                              "torch": backends, "ratio_vs_best_torch_eager": best / ours_att,
                              "ratio_graph_vs_best_torch": best / ours_graph}
     print(f"attention N={n}: ours {ours_att:.3f} ms eager, {ours_graph:.3f} ms in a graph; torch {backends}", flush=True)
