@@ -3,8 +3,9 @@
 Every check runs before any work. Then each distinct prompt is encoded once (the negative once for all of
 them, through `stages.encode`'s cache), the weights stay resident in the stages' Model objects, and each
 picture is made by the same stage functions on the same bytes as a single run: each PNG equals, byte for
-byte, the one `moss-image` makes for that prompt and seed alone. The next picture's noise is drawn on a host
-thread while the current one denoises.
+byte, the one `moss-image` makes for that prompt and seed alone. Each picture's noise is drawn on a host
+thread ahead of its turn: the first one's while the weights load and the first prompt encodes, each later
+one's while the picture before it denoises.
 """
 
 import dataclasses
@@ -214,6 +215,9 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
         groups.setdefault(picture.prompt.text, []).append(picture)
     order = [picture for group in groups.values() for picture in group]
     following = {id(a): b.seed for a, b in zip(order, order[1:])}    # whose noise is drawn during each picture
+    if order:         # the first picture's noise is drawn while the weights load and the first prompt encodes
+        model = model_for("denoise")
+        model.draw_noise_ahead(stages.noise_shape(model, options), order[0].seed, options.noise)
     negative_cache = {}
     number = 0
     for text, group in groups.items():
