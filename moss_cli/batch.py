@@ -213,8 +213,7 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
     groups = {}
     for picture in pictures:
         groups.setdefault(picture.prompt.text, []).append(picture)
-    order = [picture for group in groups.values() for picture in group]
-    following = {id(a): b.seed for a, b in zip(order, order[1:])}    # whose noise is drawn during each picture
+    order = [picture for group in groups.values() for picture in group]     # as the loop below makes them
     if order:         # the first picture's noise is drawn while the weights load and the first prompt encodes
         model = model_for("denoise")
         model.draw_noise_ahead(stages.noise_shape(model, options), order[0].seed, options.noise)
@@ -232,7 +231,7 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
             lat_bytes, _ = stages.denoise(model_for("denoise"), enc, dataclasses.replace(options, seed=picture.seed),
-                                          next_seed=following.get(id(picture)))
+                                          next_seed=order[number].seed if number < len(order) else None)
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)

@@ -91,7 +91,7 @@ def main():
             t1 = time.perf_counter()
             opts = stages.SamplingOptions(seed=42 + rep, steps=args.steps, guidance=args.guidance, width=size, height=size)
             # as moss-image with several seeds: the second picture's noise is drawn while the first denoises
-            lat_bytes, _ = stages.denoise(model, enc, opts, next_seed=42 + 1 if rep == 0 else None)
+            lat_bytes, _ = stages.denoise(model, enc, opts, next_seed=opts.seed + 1 if rep == 0 else None)
             lat = artifacts.parse(lat_bytes, "LAT", "denoise", model.fingerprint)
             t2 = time.perf_counter()
             try:
