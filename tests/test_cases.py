@@ -91,6 +91,20 @@ def test_planted_final_norm_eps_fails_the_rows_gate(folder):
     assert rel(encoder(ref["prompt_ids"]), ref["prompt_rows"]) > 3 * ROWS64_GATE
 
 
+@pytest.mark.parametrize("folder", CASES, ids=lambda p: p.name)
+def test_planted_norm_epsilon_fails_the_float32_rows_gate(folder):
+    """Control for ROWS32_GATE: every RMSNorm with epsilon 1e-5 (a common default, where the config says 1e-6)
+    moves the float32 rows by ~0.3; the final norm's epsilon x10 above (1e-6) stays under the float32 path's own
+    error, so it controls the float64 gate only."""
+    from moss_cli import encoder
+    from moss_cli.ops import numpy_ops
+    ref, _ = load(folder / "prompt.enc")
+    component = open_checkpoint(None).component("text_encoder")
+    config = dict(encoder.text_config(component.config), rms_norm_eps=1e-5)
+    planted = encoder.Qwen35Encoder(numpy_ops(np.float32), component.tensors, config)
+    assert rel(planted(ref["prompt_ids"]), ref["prompt_rows"]) > 3 * ROWS32_GATE
+
+
 def float64_encoder(dtype=np.float64):
     from moss_cli import encoder
     from moss_cli.ops import numpy_ops
@@ -159,6 +173,29 @@ def test_planted_dit_bugs_fail_the_velocity_gates(folder, bug, monkeypatch):
     monkeypatch.setattr(transformer, *bug)
     assert worst_step(folder, np.float32) > VELOCITY_GATE
     assert worst_step(folder, np.float64) > 3 * VELOCITY64_GATE
+
+
+@pytest.mark.parametrize("folder", CASES, ids=lambda p: p.name)
+def test_planted_dit_bug_through_moss_denoise_fails_the_trace_and_latents_gates(folder, tmp_path, monkeypatch):
+    """The same norm-epsilon plant, run through moss-denoise itself (the path the trace and LAT gates above
+    hold): every step's velocity and the final latents must fail their gates."""
+    from moss_cli import cli, transformer
+    spec = json.loads((folder / "case.json").read_text())
+    monkeypatch.setattr(transformer, "EPS", 1e-5)
+    args = [str(a) for a in (folder / "prompt.enc", "--seed", spec["seed"], "--steps", spec["steps"],
+                             "--guidance", spec["guidance"], "--width", spec["width"], "--height", spec["height"],
+                             "--shift", spec["shift"], "--uncond-skip-layers",
+                             ",".join(map(str, spec["uncond_skip_layers"])), "--skip-start", spec["skip_start"],
+                             "--skip-stop", spec["skip_stop"], "--noise", spec["noise"], "--device", "cpu", "--quiet",
+                             "--trace", tmp_path / "planted.trace", "--out", tmp_path / "planted.lat")]
+    cli._denoise.main(args, standalone_mode=False)
+    ref, _ = load(folder / "trace.trace")
+    planted, _ = load(tmp_path / "planted.trace")
+    steps = sorted(k for k in ref if k.startswith("velocity."))
+    assert min(rel(planted[name], ref[name]) for name in steps) > VELOCITY_GATE
+    final_ref, _ = load(folder / "latents.lat")
+    final, _ = load(tmp_path / "planted.lat")
+    assert rel(final["latents"], final_ref["latents"]) > 3 * LATENTS_GATE
 
 
 def test_pixels_agree_with_diffusers(case):
