@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 import warnings
+import zlib
 
 import numpy as np
 
@@ -19,6 +20,38 @@ from .core import SIMULATED, gate
 MODULES = (elementwise, layout, prefetch, embedding, norms, rope_attention, flash, gdn, gdn_inputs, gdn_chunk, gemm,
            mma, dit, sdpa, conv)
 
+# Each case's bound is what its arithmetic can do at worst; where the error measured far below it (a sum's
+# rounding errors cancel, a bound over every term's magnitude), the gate is MARGIN times the worst |err| / bound
+# recorded for that size (tiny: the simulator; real: the H100 and H200 runs, the larger), so a bug of a few
+# times the rounding error fails it. Cases not listed gate at their bound (measured within 5x of it).
+MARGIN = 4.0
+MEASURED = {                   # case: (tiny, real) worst |err| / bound; None: gate at the bound
+    "rms_norm_rope": (None, 0.0409),
+    "rms_norm": (0.102, 0.0365),
+    "l2_norm": (0.106, 0.0466),
+    "gated_rms_norm": (0.108, 0.00339),
+    "softmax_causal": (0.0516, 0.0034),
+    "attention_gqa": (None, 0.0227),
+    "gated_delta_rule": (0.00578, 6.07e-5),
+    "gated_delta_rule_chunk_stages": (None, 0.109),
+    "linear_bf16_residual": (None, 0.00269),
+    "linear_bf16_f32out_bias": (None, 0.00267),
+    "mma_bf16_product": (0.00817, 0.0012),
+    "mma_tf32_product": (None, 0.0366),
+    "conv3x3_split": (0.00448, 0.000613),
+    "conv3x3_up_split": (0.005, 0.000624),
+    "conv1x1_split": (0.0364, 0.0147),
+    "conv3x3_norm_split": (0.00596, 0.00139),
+    "group_norm": (None, 0.0185),
+}
+
+
+def gate_fraction(name, size):
+    """The fraction of its bound a case's gate sits at for this size (1 where nothing is recorded)."""
+    tiny, real = MEASURED.get(name, (None, None))
+    recorded = tiny if size == "tiny" else real
+    return 1.0 if recorded is None else min(1.0, MARGIN * recorded)
+
 
 def cases(simulator):
     return [c for m in MODULES for c in m.CASES if c.simulator or not simulator]
@@ -26,14 +59,17 @@ def cases(simulator):
 
 def run(size="tiny", seed=0, write=print, only=None):
     """Check each case (those named in `only`, if given); returns (kernels, passed, controls, caught)."""
-    rng = np.random.default_rng(seed)
     counts = [0, 0, 0, 0]
     for case in cases(SIMULATED):
         if only and case.name not in only:
             continue
         start = time.perf_counter()
-        inputs = case.make(rng, size)
+        # each case draws from its own generator, seeded by its name: its inputs (and so its measured error)
+        # are the same whether it runs alone (--only) or among the others
+        inputs = case.make(np.random.default_rng([seed, zlib.crc32(case.name.encode())]), size)
         expected, bound = case.reference(inputs)
+        fraction = gate_fraction(case.name, size)
+        bound = bound * fraction
         with warnings.catch_warnings():
             # controls may divide by zero on purpose; the simulator's uint32 hashes wrap as on the GPU
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -43,8 +79,9 @@ def run(size="tiny", seed=0, write=print, only=None):
         counts[1] += ok
         counts[2] += 1
         counts[3] += not bad
-        write(f"{case.name:24s} gate {'pass' if ok else 'FAIL'} (worst |err|/bound {worst:.3g})  "
-              f"control {'caught' if not bad else 'MISSED'} ({worst_control:.3g})  "
+        at = f", gate at {fraction:.3g} of the bound" if fraction < 1 else ""
+        write(f"{case.name:24s} gate {'pass' if ok else 'FAIL'} (worst |err|/bound {worst * fraction:.3g}{at})  "
+              f"control {'caught' if not bad else 'MISSED'} ({worst_control * fraction:.3g})  "
               f"{time.perf_counter() - start:.2f} s")
     k, p, c, n = counts
     write(f"{k} kernels, {p} pass; {c} controls, {n} caught")
