@@ -33,6 +33,13 @@ def test_every_simulator_kernel_passes_its_gate_and_every_control_is_caught():
     assert kernels >= 19
     assert (passed, controls, caught) == (kernels, kernels, kernels), done.stdout
     assert done.returncode == 0
+    # a gate set from a measurement stays near it: the error now is at least a quarter of the one recorded
+    # (the gate at 4x of it), so a kernel that became more accurate gets its record (contract.MEASURED) mended
+    tight = re.findall(r"^(\S+) +gate pass \(worst \|err\|/bound ([\d.e+-]+), gate at ([\d.e+-]+) of the bound",
+                       done.stdout, re.M)
+    assert len(tight) >= 8, done.stdout
+    for name, worst, at in tight:
+        assert float(worst) >= float(at) / 16, (name, worst, at)
 
 
 def test_moss_cli_imports_without_numba_cuda_and_reports_why_no_gpu():
