@@ -565,17 +565,19 @@ def im2col(x, peak, cols, r0, taps, up=False, norm=None, image=None, stream=0, c
     conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
     silu(group_norm(x))), zero padding taps // 2, the input scaled by scale_of(peak[0]): the chunk's split image
     (split_image, into `image`, [image_rows(rows, taps) W, 2 part(C)] or more; made if None), then its columns
-    (gather_columns). A 1x1 conv's columns are its split image."""
+    (gather_columns). A 1x1 conv's columns are its split image. control: "lo" plants the split's lo parts as
+    zero, "taps" the gather's taps transposed, True both."""
     width = 2 * x.shape[2] if up else x.shape[2]
+    split_control, gather_control = control in (True, "lo"), control in (True, "taps")
     if taps == 1:
-        split_image(x, peak, cols, r0, up, norm, stream=stream, control=control)
+        split_image(x, peak, cols, r0, up, norm, stream=stream, control=split_control)
         return
     rows, c = cols.shape[0] // width, x.shape[0]
     n = image_rows(rows, taps) * width
     if image is None:
         image = cuda.device_array((n, 2 * part(c)), np.uint16)
-    split_image(x, peak, image[:n], r0 - taps // 2, up, norm, stream=stream, control=control)
-    gather_columns(image[:n], cols, width, c, taps, stream=stream, control=control)
+    split_image(x, peak, image[:n], r0 - taps // 2, up, norm, stream=stream, control=split_control)
+    gather_columns(image[:n], cols, width, c, taps, stream=stream, control=gather_control)
 
 
 def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):
@@ -860,7 +862,7 @@ def _run_conv(inp, control):
         n = min(rows, h - r0) * wd
         cols = cuda.to_device(np.full((n, split_width(c * taps * taps)), 0xFFFF, np.uint16))   # NaN, as garbage
         d = cuda.device_array((n, wm.shape[0]), np.float32)           # the weight's product rows
-        im2col(x, peak, cols, r0, taps, up, norm, control=control)
+        im2col(x, peak, cols, r0, taps, up, norm, control="lo" if control else False)   # the split's own bug
         half_product(cols, w, d)
         finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
     return out.copy_to_host().reshape(o, h, wd)
@@ -987,13 +989,13 @@ def _ref_pixels(inp):
 CASES = [
     Case("split_fp16", _make_split, _run_split, _ref_split, notes="control: lo written as zero"),
     Case("conv3x3_split", _make_conv(3, False), _run_conv, _ref_conv,
-         notes="columns, product (host float64 in the simulator), finish; control: taps transposed, lo zero"),
+         notes="columns, product (host float64 in the simulator), finish; control: the split's lo parts zero"),
     Case("conv3x3_up_split", _make_conv(3, True), _run_conv, _ref_conv,
-         notes="the nearest-2x upsampling read through; control: taps transposed, lo zero"),
+         notes="the nearest-2x upsampling read through; control: the split's lo parts zero"),
     Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
-         notes="control: the columns' lo parts zero (and taps transposed)"),
+         notes="control: the split's lo parts zero"),
     Case("conv3x3_norm_split", _make_conv_norm, _run_conv, _ref_conv,
-         notes="silu(group_norm(x)) made in the peak's and the columns' reads; control: taps transposed, lo zero"),
+         notes="silu(group_norm(x)) made in the peak's and the columns' reads; control: the split's lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
