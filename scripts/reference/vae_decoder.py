@@ -4,13 +4,16 @@ nearest interpolation, SDPA. It runs in whatever dtype and device its weights ha
 float32 with or without TF32 convolutions as a baseline); tests hold it against diffusers and moss_cli.vae.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
 def weights(tensors, dtype, device):
-    """The state dict's tensors as torch tensors of one dtype on one device."""
-    return {k: torch.as_tensor(v).to(device=device, dtype=dtype) for k, v in tensors.items()
+    """The state dict's tensors as torch tensors of one dtype on one device (read-only arrays, such as a
+    checkpoint's memory map, are copied first: torch does not take them)."""
+    return {k: torch.as_tensor(v if not isinstance(v, np.ndarray) or v.flags.writeable else np.array(v))
+            .to(device=device, dtype=dtype) for k, v in tensors.items()
             if not k.endswith("num_batches_tracked")}
 
 
