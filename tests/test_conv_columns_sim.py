@@ -50,11 +50,12 @@ for c, taps, up in ((8, 3, False), (6, 3, False), (5, 3, True), (6, 1, False)):
     h, w = (6, 10) if up else (3, 5)
     for r0, rows in ((0, 2), (2, h - 2)):
         want = expected(x, peak, r0, rows, taps, up)
-        for control in (False, True):
+        for control in (False, True, "lo", "taps"):
             cols = cuda.to_device(np.full(want.shape, 0xFFFF, np.uint16))      # NaN bits as garbage
             conv.im2col(cuda.to_device(x), cuda.to_device(np.float32([peak])), cols, r0, taps, up, control=control)
             got = cols.copy_to_host()
-            print(c, taps, up, r0, rows, "control" if control else "kernel",
+            kind = {False: "kernel", True: "control", "lo": "control_lo", "taps": "control_taps"}[control]
+            print(c, taps, up, r0, rows, kind,
                   "equal" if np.array_equal(got, want) else f"differ {np.count_nonzero(got != want)}")
 '''
 
@@ -75,6 +76,11 @@ def test_columns_equal_numpy_float16_columns_bit_for_bit(lines):
 
 
 def test_planted_controls_differ(lines):
-    control = [line for line in lines if " control " in line]
-    assert len(control) == 8, lines
-    assert all(" differ " in line for line in control), "\n".join(control)
+    """Both bugs together, the lo parts dropped alone (every case), the taps transposed alone (the 3x3 cases:
+    a 1x1 conv has one tap)."""
+    for kind in ("control", "control_lo"):
+        planted = [line for line in lines if f" {kind} " in line]
+        assert len(planted) == 8 and all(" differ " in line for line in planted), "\n".join(planted)
+    taps = [line for line in lines if " control_taps " in line]
+    assert len(taps) == 8, lines
+    assert all((" differ " in line) == (line.split()[1] == "3") for line in taps), "\n".join(taps)
