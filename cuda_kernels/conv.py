@@ -11,6 +11,7 @@ bias. bf16 parts (16 bits) are too coarse for float32-level pixels; TF32 parts r
 
 import functools
 import math
+import os
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -30,6 +31,8 @@ GATHER_THREADS = 32 if SIMULATED else 128
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
+DEVICE_TAP_BYTES = int(os.environ.get("MOSS_TAP_BYTES", 24 << 20))   # a tap conv chunk's split image and product
+TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
 
@@ -241,9 +244,10 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_split_image(control, up, norm=False):
+def _make_split_image(control, up, norm=False, triple=False):
     """The split image of a conv's input (conv.split_image): up: the input is the nearest-2x upsampling of x
-    (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats.
+    (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats; triple:
+    each pixel holds [hi | lo | hi] (the taps' layout), else [hi | lo].
 
     A block takes a tile of SPLIT_PX pixels of one image row and SPLIT_CH channels: it reads the tile along
     the row (coalesced), makes each value (norm), scales and splits it once into a (hi, lo) word in shared
@@ -253,25 +257,28 @@ def _make_split_image(control, up, norm=False):
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
     @jit(launch_bounds=(SPLIT_PX * ROWS, 3))    # three blocks an SM (at most 85 registers)
-    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb):
-        """words = the image [rows W, 2 P] fp16 bits as 4-byte words [rows W, P]: pixel q's words [0, half)
-        hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2); image row i is
-        input row r0 + i, zero outside x; channels past C are zero."""
+    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb, pad):
+        """words = the image [rows (W + 2 pad), parts P] fp16 bits as 4-byte words: pixel q's words [0, half)
+        hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2), and with triple words
+        [2 half, 3 half) hi again; image row i is input row r0 + i, its pixel j input column j - pad; zero
+        outside x; channels past C are zero."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
         h = 2 * x.shape[1] if up else x.shape[1]
+        span_px = width + 2 * pad                    # pixels of an image row
+        pixel_words = 3 * half if triple else 2 * half
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c0 = cuda.blockIdx.y * SPLIT_CH
-        per_row = (width + SPLIT_PX - 1) // SPLIT_PX
+        per_row = (span_px + SPLIT_PX - 1) // SPLIT_PX
         tid, threads, pairs = ty * cuda.blockDim.x + tx, cuda.blockDim.x * cuda.blockDim.y, SPLIT_CH // 2
         # word pairs a pixel's row gets from this block: its tile's, and the last block the zeros up to P
         span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
-            y, xx = r0 + i, x0 + tx
-            live = 0 <= y < h and xx < width
+            y, xx = r0 + i, x0 + tx - pad
+            live = 0 <= y < h and 0 <= xx < width
             for j in range(PER_THREAD):                  # every load issued before the first is used
                 c = c0 + ty + j * ROWS
                 got[j] = float32(0.0)
@@ -293,15 +300,17 @@ def _make_split_image(control, up, norm=False):
             cuda.syncthreads()
             for k in range(tid, span * SPLIT_PX, threads):
                 pr, px = k % span, k // span
-                if x0 + px < width:
+                if x0 + px < span_px:
                     lo_pair, hi_pair = uint32(0), uint32(0)
                     if pr < pairs:
                         a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
                         hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
                         lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
-                    at = (i * width + x0 + px) * 2 * half + c0 // 2 + pr
+                    at = (i * span_px + x0 + px) * pixel_words + c0 // 2 + pr
                     words[at] = hi_pair
                     words[at + half] = lo_pair
+                    if triple:
+                        words[at + 2 * half] = hi_pair
     return split_image
 
 
@@ -355,10 +364,11 @@ def _make_gather(control, taps):
 
 def _make_finish(control):
     @jit
-    def finish(d, peak_a, peak_w, bias, res, out, offset, channels):
+    def finish(d, peak_a, peak_w, bias, res, out, offset, channels, span):
         """out = d / (scale_a scale_w) + bias (+ res) over d [M, N]: channels: out is [N, total] (out[n, offset +
         m], a transpose through a shared tile), else out [M, N] (out[m, n]); bias [N] or empty; res shaped as
-        out, or empty (added last)."""
+        out, or empty (added last). span > 0 (channels only): d's rows are the taps' grid, rows of span = W + 2
+        pixels of which the last two are not the image's: row m is pixel (m // span) W + m % span, or none."""
         sh = cuda.shared.array((TILE, TILE_PAD), float32)
         inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
         m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
@@ -374,11 +384,14 @@ def _make_finish(control):
         for j in range(ty, TILE, ROWS):
             if channels:
                 n, m = n0 + j, m0 + tx
-                if m < d.shape[0] and n < d.shape[1]:
+                q = m
+                if span > 0:
+                    q = (m // span) * (span - 2) + m % span
+                if m < d.shape[0] and n < d.shape[1] and (span == 0 or m % span < span - 2):
                     v = sh[tx, j]
                     if res.size > 0:
-                        v += res[n, offset + m]
-                    out[n, offset + m] = v
+                        v += res[n, offset + q]
+                    out[n, offset + q] = v
             else:
                 m, n = m0 + j, n0 + tx
                 if m < d.shape[0] and n < d.shape[1]:
@@ -521,17 +534,21 @@ def chunk_rows(c_in, taps, width):
     return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False):
-    """image [rows W, 2 P] fp16 bits, P = part(C): the split input [hi | 0 | lo | 0] of each pixel of input rows
-    r0.. of a conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from
-    group_stats: over silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero."""
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False):
+    """image [rows W', parts P] fp16 bits: the split input of each pixel of input rows r0.. of a conv over x
+    [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
+    silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero. [hi | lo] per pixel
+    (parts = 2, W' = W, P = part(C)), or with triple the taps' layout: [hi | lo | hi] (parts = 3, P =
+    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding)."""
     width = 2 * x.shape[2] if up else x.shape[2]
-    rows, p = image.shape[0] // width, image.shape[1] // 2
-    tiles = rows * -(-width // SPLIT_PX)
+    parts, pad = (3, 1) if triple else (2, 0)
+    span = width + 2 * pad
+    rows, p = image.shape[0] // span, image.shape[1] // parts
+    tiles = rows * -(-span // SPLIT_PX)
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
-    _make_split_image(control, up, norm is not None)[grid, (SPLIT_PX, ROWS), stream](
-        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b)
+    _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
+        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b, pad)
 
 
 def _word(*counts):
@@ -580,13 +597,14 @@ def im2col(x, peak, cols, r0, taps, up=False, norm=None, image=None, stream=0, c
     gather_columns(image[:n], cols, width, c, taps, stream=stream, control=gather_control)
 
 
-def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False):
-    """out from the scaled product d [M, N] (see the kernel); bias None or [N]; residual None or shaped as out."""
+def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False, span=0):
+    """out from the scaled product d [M, N] (see the kernel); bias None or [N]; residual None or shaped as out;
+    span: the taps' grid row (W + 2) when d is a tap product's, else 0."""
     bias = _empty(1) if bias is None else bias
     residual = _empty(2) if residual is None else residual.reshape(out.shape)
     grid = (-(-d.shape[0] // TILE), -(-d.shape[1] // TILE))
     _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, residual, out, int(offset),
-                                                 bool(channels))
+                                                 bool(channels), int(span))
 
 
 def _empty(ndim):
@@ -660,9 +678,9 @@ class HalfProduct:
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
 
-    def _plan(self, m, n, k, lda, ldw):
+    def _plan(self, m, n, k, lda, ldw, align=None):
         from .gemm import COMPUTE_32F, OP_N, OP_T, _set
-        key = (m, n, k, lda, ldw)
+        key = (m, n, k, lda, ldw, align)
         plan = self._plans.get(key)
         if plan is None:
             lt, A = self.lt, self.lt.MatmulDescAttribute
@@ -671,7 +689,7 @@ class HalfProduct:
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
             layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
                        lt.matrix_layout_create(R_32F, n, m, n))
-            found = self.blas._heuristic(desc, *layouts, 1)
+            found = self.blas._heuristic(desc, *layouts, 1, align)
             if len(found) == 0:
                 raise RuntimeError(f"cuBLASLt has no fp16 algorithm for M={m} N={n} K={k}")
             plan = self._plans[key] = (desc, layouts, found)
@@ -690,6 +708,24 @@ class HalfProduct:
                 self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * (w0 + k0), lw,
                                pointer(a) + 2 * (a0 + k0), la, beta.ctypes.data, pointer(d), ld, pointer(d), ld,
                                _row(found, 0), pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
+
+
+    def taps(self, image, w, d, span, stream=0):
+        """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
+        product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
+        taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
+        under SLICE_K."""
+        from .gemm import WORKSPACE, _row, pointer, stream_handle
+        m, (count, n, p3) = d.shape[0], w.shape
+        side = int(round(math.sqrt(count)))
+        desc, (lw, la, ld), found = self._plan(m, n, p3, p3, p3, align=16)
+        for t in range(count):
+            dy, dx = divmod(t, side)
+            beta = self._zero if t == 0 else self._one
+            self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * t * n * p3, lw,
+                           pointer(image) + 2 * (dy * span + dx) * p3, la, beta.ctypes.data, pointer(d), ld,
+                           pointer(d), ld, _row(found, 0), pointer(self.blas.workspace), WORKSPACE,
+                           stream_handle(stream))
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
@@ -719,6 +755,51 @@ def half_product(a, w, d, stream=0):
     if _product is None:
         _product = HalfProduct()
     _product(a, w, d, stream)
+
+
+def tap_product(image, w, d, span, stream=0):
+    """d [M, N] float32 = sum over the taps t = (dy, dx) of a k x k conv (w [k k, N, 3P] fp16 bits, tap_weights)
+    of image[m + dy span + dx] . w[t] over the 3P columns, image [pixels, 3P] fp16 bits in the taps' layout
+    (split_image triple: [hi | lo | hi] a pixel, rows of span = W + 2 pixels): d's row m is the output at image
+    row m // span, column m % span (the last two columns of each row are not the image's). In the simulator
+    (no cuBLAS): on the host in float64."""
+    global _product
+    if SIMULATED:
+        av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
+        side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0]
+        d[:] = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
+                   for dy in range(side) for dx in range(side)).astype(np.float32)
+        return
+    if _product is None:
+        _product = HalfProduct()
+    _product.taps(image, w, d, span, stream)
+
+
+def tap_part(c):
+    """Columns of one part of the taps' layout: C rounded up to 8 (a pixel's 3 parts fill whole 16 bytes)."""
+    return -(-c // 8) * 8
+
+
+def tap_weights(w):
+    """A conv weight [O, C, k, k] as the tap products' right operands: fp16 bits [k k, product_rows(O), 3 P] =
+    [w_hi | w_hi | w_lo] over channel c for tap t = dy k + dx, P = tap_part(C), zeros past C and O; and its peak
+    |w| (the scale's source)."""
+    w = np.asarray(w, np.float32)
+    o, c, kh, kw = w.shape
+    peak = float(np.abs(w).max()) if w.size else 0.0
+    p = tap_part(c)
+    out = np.zeros((kh * kw, product_rows(o), 3 * p), np.uint16)
+    hi, lo = host_split(w, host_scale(peak))
+    for i, bits in enumerate((hi, hi, lo)):
+        out[:, :o, i * p:i * p + c] = bits.reshape(o, c, kh * kw).transpose(2, 0, 1)
+    return out, np.float32(peak)
+
+
+def tap_rows(c_in, o, width):
+    """Output rows per chunk of a tap conv: as many as keep the chunk's split image and product within
+    TAP_BYTES, which the product's nine passes then find in L2."""
+    per_row = (width + 2) * (3 * tap_part(c_in) * 2 + product_rows(o) * 4)
+    return max(1, TAP_BYTES // per_row - 2)
 
 
 # --- float64 references: the spec of each kernel ---------------------------------------------
@@ -868,6 +949,35 @@ def _run_conv(inp, control):
     return out.copy_to_host().reshape(o, h, wd)
 
 
+def _run_taps(inp, control):
+    """A k x k conv as tap products (CudaOps' path): chunk by chunk (two rows a chunk in the tiny case), the
+    split image in the taps' layout, the nine products, finish from the grid's rows into [O, H, W]."""
+    x = cuda.to_device(inp["x"])
+    taps, up = inp["taps"], inp["up"]
+    wm, wpeak = tap_weights(inp["w"])
+    w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
+    c, h, wd = x.shape
+    h, wd = (2 * h, 2 * wd) if up else (h, wd)
+    o, span = inp["w"].shape[0], wd + 2
+    out = cuda.device_array((o, h * wd), np.float32)
+    peak = cuda.device_array(1, np.float32)
+    norm = None
+    if "gw" in inp:
+        partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
+        norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
+    absmax(x, peak, norm)
+    rows = 2 if SIMULATED else tap_rows(c, o, wd)
+    for r0 in range(0, h, rows):
+        n = min(rows, h - r0)
+        m = n * span - 2
+        image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))  # NaN
+        d = cuda.device_array((m, wm.shape[1]), np.float32)
+        split_image(x, peak, image, r0 - taps // 2, up, norm, control=bool(control), triple=True)
+        tap_product(image, w, d, span)
+        finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
+    return out.copy_to_host().reshape(o, h, wd)
+
+
 def _ref_conv(inp):
     """With "gw": the conv of the float64 group norm + silu, plus that norm's own bound carried through |w|."""
     taps, up = inp["taps"], inp["up"]
@@ -996,6 +1106,12 @@ CASES = [
          notes="control: the split's lo parts zero"),
     Case("conv3x3_norm_split", _make_conv_norm, _run_conv, _ref_conv,
          notes="silu(group_norm(x)) made in the peak's and the columns' reads; control: the split's lo parts zero"),
+    Case("conv3x3_taps", _make_conv(3, False), _run_taps, _ref_conv,
+         notes="tap products (host float64 in the simulator), finish from the grid; control: the split's lo parts zero"),
+    Case("conv3x3_up_taps", _make_conv(3, True), _run_taps, _ref_conv,
+         notes="the nearest-2x upsampling read through; control: the split's lo parts zero"),
+    Case("conv3x3_norm_taps", _make_conv_norm, _run_taps, _ref_conv,
+         notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),

@@ -262,12 +262,17 @@ class Blas:
             self._sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
         return -(-m // 128) * -(-n // 128) < WIDE_WAVES * self._sms
 
-    def _heuristic(self, desc, a_layout, b_layout, c_layout, count):
+    def _heuristic(self, desc, a_layout, b_layout, c_layout, count, align=None):
+        """The heuristic's first `count` algorithms; align: the bytes every operand's pointer is a multiple of,
+        where less than the 256 the heuristic assumes by default."""
         lt = self.lt
         pref = lt.matmul_preference_create()
         try:
-            _set(lt.matmul_preference_set_attribute, pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES,
-                 WORKSPACE, np.uint64)
+            P = lt.MatmulPreferenceAttribute
+            _set(lt.matmul_preference_set_attribute, pref, P.MAX_WORKSPACE_BYTES, WORKSPACE, np.uint64)
+            for attr in (() if align is None else (P.MIN_ALIGNMENT_A_BYTES, P.MIN_ALIGNMENT_B_BYTES,
+                                                   P.MIN_ALIGNMENT_C_BYTES, P.MIN_ALIGNMENT_D_BYTES)):
+                _set(lt.matmul_preference_set_attribute, pref, attr, align, np.uint32)
             found = np.zeros(count, dtype=lt.matmul_heuristic_result_dtype)
             got = np.zeros(1, np.int32)
             lt.matmul_algo_get_heuristic(self.lt_handle, desc, a_layout, b_layout, c_layout, c_layout, pref,

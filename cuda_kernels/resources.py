@@ -37,7 +37,7 @@ def _signatures():
     u1 = a(t.uint32, 1)
     w2 = a(t.uint64, 2, "A")                                   # 8-byte words (elementwise._words)
     w2c, u8v = a(t.uint64, 2), a(t.uint64, 1)                  # dit's contiguous word views
-    split_image_args = (f3, f1, u1, *(t.int64,) * 4, f2, f1, f1)
+    split_image_args = (f3, f1, u1, *(t.int64,) * 4, f2, f1, f1, t.int64)
     packed_team = elementwise._tiles(1, 2 * 12288 // elementwise.PACK)[1]
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),
@@ -104,8 +104,11 @@ def _signatures():
         "conv_split_image": (conv._make_split_image(False, False), split_image_args),
         "conv_split_image_up": (conv._make_split_image(False, True), split_image_args),
         "conv_split_image_norm": (conv._make_split_image(False, False, True), split_image_args),
+        "conv_split_image_taps": (conv._make_split_image(False, False, False, True), split_image_args),
+        "conv_split_image_taps_up": (conv._make_split_image(False, True, False, True), split_image_args),
+        "conv_split_image_taps_norm": (conv._make_split_image(False, False, True, True), split_image_args),
         "conv_gather_3x3": (conv._make_gather(False, 3), (u8v, u8v, *(t.int64,) * 5, t.uint64)),
-        "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean)),
+        "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean, t.int64)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
         "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),
         "group_norm_apply": (conv._gn_apply, (f2, f2, f1, f1, f2, t.boolean)),

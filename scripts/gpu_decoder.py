@@ -75,6 +75,24 @@ def ours_ms(dec, latents, calls):
     return statistics.median(times)
 
 
+def variants_ms(tensors, latents, calls):
+    """Our decode timed as the columns path and as tap products at several chunk sizes (conv.TAP_BYTES)."""
+    import gc
+    from cuda_kernels import conv
+    from moss_cli.ops.cuda_decoder import CudaDecoder
+    out, kept = {}, conv.TAP_BYTES
+    for name, taps, size in [("columns", False, kept)] + [(f"taps_{mb}MB", True, mb << 20) for mb in (12, 24, 48, 96)]:
+        conv.TAP_BYTES = size
+        dec = CudaDecoder(tensors, SMALL)
+        dec.ops.conv_taps = taps
+        out[name] = ours_ms(dec, latents, calls)
+        del dec
+        gc.collect()
+    conv.TAP_BYTES = kept
+    print("variants (ms): " + json.dumps(out), flush=True)
+    return out
+
+
 def _op_errors(dec, latents):
     """{op kind: [calls, worst relative L2 error, worst max-abs error / max |reference|]} of one eager decode,
     each op against torch float64 on its own inputs."""
@@ -151,6 +169,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time the columns path and other tap chunk sizes, per size")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -179,6 +199,8 @@ def main(argv=None):
         pixels = dec.decode(latents)
         row["ours_first_call_s"] = time.perf_counter() - start
         row["ours_ms"] = ours_ms(dec, latents, args.replays)
+        if args.variants:
+            row["variants_ms"] = variants_ms(tensors, latents, args.replays)
         if args.profile:
             row["profile"] = kernel_table(cuda_spans(lambda: [dec.decode(latents) for _ in range(3)]), repeats=3,
                                           group=by_family(KERNELS))

@@ -183,6 +183,8 @@ xc, wc, bc = r(5, 3, 4), r(3, 5, 3, 3) / 6, r(3)
 rc = r(3, 3, 4)
 check("conv2d 3x3 + residual", gpu.conv2d(d(xc), d(wc), d(bc), 1, residual=d(rc)),
       ref.conv2d(xc, wc, bc, 1, residual=rc), 1e-5)
+check("conv2d 3x3 of an upsampling", gpu.conv2d(gpu.upsample_nearest2x(d(xc)), d(wc), d(bc), 1),
+      ref.conv2d(ref.upsample_nearest2x(xc), wc, bc, 1), 1e-5)
 check("conv2d 1x1 of an upsampling", gpu.conv2d(gpu.upsample_nearest2x(d(xc)), d(wc[:, :, :1, :1].copy()), None, 0),
       ref.conv2d(ref.upsample_nearest2x(xc), wc[:, :, :1, :1], None, 0), 1e-5)
 xn, gw, gb = r(8, 3, 4) * 2 + 5, 1 + r(8) * 0.3, r(8) * 0.3

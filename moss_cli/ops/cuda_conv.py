@@ -48,15 +48,19 @@ def _source(x):
 
 
 class ConvCudaOps:
-    """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
+    """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`. conv_taps: k x k convs as
+    tap products (_tap_conv), else through split columns."""
 
-    def _split_weight(self, w):
+    conv_taps = True
+
+    def _split_weight(self, w, taps=False):
         """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
-        [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight."""
-        key = ("weight_matrix", id(w))
+        [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight; taps: the
+        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights)."""
+        key = ("tap_weights" if taps else "weight_matrix", id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = conv.weight_matrix(w.copy_to_host())
+            bits, peak = (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
@@ -74,6 +78,8 @@ class ConvCudaOps:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
         src, up, norm = _source(x)
         _, h, width = x.shape
+        if taps > 1 and self.conv_taps:
+            return self._tap_conv(src, up, norm, w, b, residual, (o, h, width))
         weight, peak_w = self._split_weight(w)
         peak = self._peak(src, norm)
         out = self.new((o, h, width))
@@ -89,6 +95,31 @@ class ConvCudaOps:
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
+        return out
+
+    def _tap_conv(self, src, up, norm, w, b, residual, shape):
+        """conv2d of a k x k kernel as tap products over chunks of output rows: the chunk's split image in the
+        taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
+        tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
+        conv.TAP_BYTES, so the taps after the first find both in L2."""
+        o, h, width = shape
+        taps, span = w.shape[2], width + 2
+        weight, peak_w = self._split_weight(w, taps=True)
+        peak = self._peak(src, norm)
+        out = self.new(shape)
+        rows = min(h, conv.tap_rows(src.shape[0], o, width))
+        image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
+        d = self.new((rows * span, weight.shape[1]))
+        flat = out.reshape(o, h * width)
+        res = None if residual is None else residual.reshape(o, h * width)
+        for r0 in range(0, h, rows):
+            n = min(rows, h - r0)
+            m = n * span - 2                        # the last row's two columns past the image are not computed
+            conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 - taps // 2, up, norm,
+                             stream=self.stream, triple=True)
+            conv.tap_product(image, weight, d[:m], span, stream=self.stream)
+            conv.finish(d[:m, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
+                        stream=self.stream, span=span)
         return out
 
     def group_norm(self, x, groups, w, b, eps):
