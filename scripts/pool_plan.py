@@ -129,9 +129,11 @@ def skip_work():
     """Every kernel launch, product and attention call a no-op; the device's chunk constants."""
     from cuda_kernels import core, sdpa
     conv.COLUMN_BYTES, conv.GN_PARTS = conv.DEVICE_COLUMN_BYTES, conv.DEVICE_GN_PARTS
+    conv.TAP_BYTES = conv.DEVICE_TAP_BYTES
     core.TEAM_MAX, core.TEAM_PER_MAX = core.BLOCK, 256      # the DiT's rows of 3072 fit a simulated team
     sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
     conv.half_product = lambda a, w, d, stream=0: None
+    conv.tap_product = lambda image, w, d, span, stream=0: None
 
     class NoBlas:
         def linear(self, *args, **kwargs):
