@@ -1,4 +1,4 @@
-"""The VAE decoder's image ops: split fp16 columns of a conv, the split product, group norm, latents in, pixels out.
+"""The VAE decoder's image ops: split fp16 images of a conv, the split products, group norm, latents in, pixels out.
 
 A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
 max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
@@ -7,11 +7,15 @@ tensor cores with float32 accumulation: the left operand is stored once as [a_hi
 [w_hi | w_hi | w_lo], each part K rounded up to 128 columns (zeros past K), and the product sums two fp16
 products, [a_hi | a_lo] . [w_hi | w_hi] and a_hi . w_lo; `finish` then divides the scales out and adds the
 bias. bf16 parts (16 bits) are too coarse for float32-level pixels; TF32 parts run at half the rate.
+
+A k x k conv needs no columns: its input is split once into an image whose rows carry a zero pixel each side
+(the padding) and whose pixels are [hi | lo | hi] (split_image triple), so tap (dy, dx) of every output pixel
+is the image row dy (W + 2) + dx further on; one product a tap with the weight's [w_hi | w_hi | w_lo] of that
+tap (tap_weights) reads the image in place, and cuBLAS sums the taps into one float32 product (tap_product).
 """
 
 import functools
 import math
-import os
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -26,12 +30,11 @@ ROWS = 8                      # thread rows of a finish / split_image block
 PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
 SPLIT_PX = 4 if SIMULATED else 32      # pixels (of one image row) of a split_image block
 SPLIT_CH = 16 if SIMULATED else 64     # channels of a split_image block (divides PART)
-GATHER_PX = 4 if SIMULATED else 32     # output pixels (of one image row) of a gather block
-GATHER_THREADS = 32 if SIMULATED else 128
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
-DEVICE_COLUMN_BYTES = 192 << 20         # the im2col buffer of one chunk of pixel rows
-DEVICE_TAP_BYTES = int(os.environ.get("MOSS_TAP_BYTES", 24 << 20))   # a tap conv chunk's split image and product
+DEVICE_COLUMN_BYTES = 192 << 20         # the columns of one chunk of pixel rows of a 1x1 conv
+DEVICE_TAP_BYTES = 24 << 20             # a tap conv chunk's split image and product (12, 24, 96 MB: 154, 122, 135 ms
+                                        # a 1024 decode on the H100, results/h100/decoder-95dc198.json)
 TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
@@ -314,54 +317,6 @@ def _make_split_image(control, up, norm=False, triple=False):
     return split_image
 
 
-@functools.cache
-def _make_gather(control, taps):
-    """The columns of a taps x taps conv from its split image (conv.gather_columns): copies, in words of one
-    to four channels."""
-    pad = taps // 2
-
-    @jit(launch_bounds=(GATHER_THREADS, 5))     # five blocks an SM (at most 102 registers)
-    def gather(image, cols, rows, width, cw, pw, qw, zero):
-        """cols [rows W, 2 qw] words = the split columns of output rows 0.. of the chunk whose split image
-        [(rows + 2 pad) W, 2 pw] words is `image` (image row i + dy holds the input of output row i's tap
-        row dy): column part k (hi, lo), tap t, channel word j of output pixel q is image part k, word j of
-        the pixel tap t reads, zero past the image's left and right edges and past taps^2 cw words.
-
-        A block takes a run of GATHER_PX output pixels of one row, threads along the words of a column row
-        (each thread's word's part, tap and channel worked out once for the run)."""
-        per_row = (width + GATHER_PX - 1) // GATHER_PX
-        row_words = 2 * qw
-        for run in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
-            r, x0 = run // per_row, (run % per_row) * GATHER_PX
-            n = min(GATHER_PX, width - x0)
-            for j in range(cuda.threadIdx.x, row_words, cuda.blockDim.x):
-                kind, k = j // qw, j % qw
-                t, cj = k // cw, k % cw
-                dy, dx = (t % taps, t // taps) if control else (t // taps, t % taps)
-                live = t < taps * taps
-                at = ((r + dy) * width + x0 + dx - pad) * 2 * pw + kind * pw + cj
-                to = (r * width + x0) * row_words + j
-                for px0 in range(0, n, 4):              # four loads in flight before their stores
-                    v0, v1, v2, v3 = zero, zero, zero, zero
-                    xx = x0 + px0 + dx - pad
-                    if live and 0 <= xx < width:
-                        v0 = image[at + px0 * 2 * pw]
-                    if live and 0 <= xx + 1 < width and px0 + 1 < n:
-                        v1 = image[at + (px0 + 1) * 2 * pw]
-                    if live and 0 <= xx + 2 < width and px0 + 2 < n:
-                        v2 = image[at + (px0 + 2) * 2 * pw]
-                    if live and 0 <= xx + 3 < width and px0 + 3 < n:
-                        v3 = image[at + (px0 + 3) * 2 * pw]
-                    cols[to + px0 * row_words] = v0
-                    if px0 + 1 < n:
-                        cols[to + (px0 + 1) * row_words] = v1
-                    if px0 + 2 < n:
-                        cols[to + (px0 + 2) * row_words] = v2
-                    if px0 + 3 < n:
-                        cols[to + (px0 + 3) * row_words] = v3
-    return gather
-
-
 def _make_finish(control):
     @jit
     def finish(d, peak_a, peak_w, bias, res, out, offset, channels, span):
@@ -529,9 +484,9 @@ def split_rows(x, peak, out, weight=False, stream=0, control=False):
     _split_rows[control][_blocks(x.shape[0] * part(x.shape[1])), BLOCK, stream](x, peak, out, weight)
 
 
-def chunk_rows(c_in, taps, width):
-    """Output image rows per im2col chunk: as many as keep the columns within COLUMN_BYTES."""
-    return max(1, COLUMN_BYTES // (split_width(taps * taps * c_in) * 2 * width))
+def chunk_rows(c_in, width):
+    """Output image rows per chunk of a 1x1 conv: as many as keep its columns within COLUMN_BYTES."""
+    return max(1, COLUMN_BYTES // (split_width(c_in) * 2 * width))
 
 
 def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False):
@@ -551,50 +506,9 @@ def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False
         x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b, pad)
 
 
-def _word(*counts):
-    """The widest word (8, 4 or 2 bytes) that every count of fp16 values fills whole."""
-    for dtype in (np.uint64, np.uint32):
-        if all(c % (np.dtype(dtype).itemsize // 2) == 0 for c in counts):
-            return dtype
-    return np.uint16
-
-
-def gather_columns(image, cols, width, c, taps, stream=0, control=False):
-    """cols [rows W, split_width(taps^2 C)] fp16 bits: the split columns [hi | lo] of a chunk's output rows from
-    its split image [(rows + 2 pad) W, 2 part(C)] (split_image of input rows from the chunk's first - pad)."""
-    rows = cols.shape[0] // width
-    word = _word(c, image.shape[1], cols.shape[1])
-    per = np.dtype(word).itemsize // 2
-    runs = rows * -(-width // GATHER_PX)
-    grid = max(1, min(runs, 2 if SIMULATED else 65535))
-    _make_gather(control, taps)[grid, GATHER_THREADS, stream](
-        image.reshape(image.size).view(word), cols.reshape(cols.size).view(word), rows, width, c // per,
-        image.shape[1] // 2 // per, cols.shape[1] // 2 // per, word(0))
-
-
 def image_rows(rows, taps):
     """Rows of the split image a chunk of `rows` output rows reads."""
     return rows + 2 * (taps // 2)
-
-
-def im2col(x, peak, cols, r0, taps, up=False, norm=None, image=None, stream=0, control=False):
-    """cols [rows W, split_width(taps^2 C)] fp16 bits: the split columns [hi | lo] of output rows r0.. of a
-    conv over x [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
-    silu(group_norm(x))), zero padding taps // 2, the input scaled by scale_of(peak[0]): the chunk's split image
-    (split_image, into `image`, [image_rows(rows, taps) W, 2 part(C)] or more; made if None), then its columns
-    (gather_columns). A 1x1 conv's columns are its split image. control: "lo" plants the split's lo parts as
-    zero, "taps" the gather's taps transposed, True both."""
-    width = 2 * x.shape[2] if up else x.shape[2]
-    split_control, gather_control = control in (True, "lo"), control in (True, "taps")
-    if taps == 1:
-        split_image(x, peak, cols, r0, up, norm, stream=stream, control=split_control)
-        return
-    rows, c = cols.shape[0] // width, x.shape[0]
-    n = image_rows(rows, taps) * width
-    if image is None:
-        image = cuda.device_array((n, 2 * part(c)), np.uint16)
-    split_image(x, peak, image[:n], r0 - taps // 2, up, norm, stream=stream, control=split_control)
-    gather_columns(image[:n], cols, width, c, taps, stream=stream, control=gather_control)
 
 
 def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None, stream=0, control=False, span=0):
@@ -922,39 +836,13 @@ def _make_conv_norm(rng, size):
 
 
 def _run_conv(inp, control):
-    """The columns chunk by chunk (two rows a chunk in the tiny case), the product, finish into [O, H, W]; with
-    "gw" in inp, over silu(group_norm(x)) made in the peak's and the columns' reads."""
+    """A conv as CudaOps runs it, chunk by chunk (two rows a chunk in the tiny case), finish into [O, H, W]: a 1x1
+    conv through its columns (its split image [hi | lo]) and one split product; a k x k conv as tap products (the
+    split image in the taps' layout, a product a tap); with "gw" in inp, over silu(group_norm(x)) made in the
+    peak's and the split's reads. control: the split's lo parts zero."""
     x = cuda.to_device(inp["x"])
     taps, up = inp["taps"], inp["up"]
-    wm, wpeak = weight_matrix(inp["w"])
-    w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
-    c, h, wd = x.shape
-    h, wd = (2 * h, 2 * wd) if up else (h, wd)
-    o = inp["w"].shape[0]
-    out = cuda.device_array((o, h * wd), np.float32)
-    peak = cuda.device_array(1, np.float32)
-    norm = None
-    if "gw" in inp:
-        partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
-        norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
-    absmax(x, peak, norm)
-    rows = 2 if SIMULATED else chunk_rows(c, taps, wd)
-    for r0 in range(0, h, rows):
-        n = min(rows, h - r0) * wd
-        cols = cuda.to_device(np.full((n, split_width(c * taps * taps)), 0xFFFF, np.uint16))   # NaN, as garbage
-        d = cuda.device_array((n, wm.shape[0]), np.float32)           # the weight's product rows
-        im2col(x, peak, cols, r0, taps, up, norm, control="lo" if control else False)   # the split's own bug
-        half_product(cols, w, d)
-        finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
-    return out.copy_to_host().reshape(o, h, wd)
-
-
-def _run_taps(inp, control):
-    """A k x k conv as tap products (CudaOps' path): chunk by chunk (two rows a chunk in the tiny case), the
-    split image in the taps' layout, the nine products, finish from the grid's rows into [O, H, W]."""
-    x = cuda.to_device(inp["x"])
-    taps, up = inp["taps"], inp["up"]
-    wm, wpeak = tap_weights(inp["w"])
+    wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
     w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
     c, h, wd = x.shape
     h, wd = (2 * h, 2 * wd) if up else (h, wd)
@@ -966,15 +854,21 @@ def _run_taps(inp, control):
         partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
         norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
     absmax(x, peak, norm)
-    rows = 2 if SIMULATED else tap_rows(c, o, wd)
+    rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd))
     for r0 in range(0, h, rows):
         n = min(rows, h - r0)
-        m = n * span - 2
-        image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))  # NaN
-        d = cuda.device_array((m, wm.shape[1]), np.float32)
-        split_image(x, peak, image, r0 - taps // 2, up, norm, control=bool(control), triple=True)
-        tap_product(image, w, d, span)
-        finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
+        if taps == 1:
+            cols = cuda.to_device(np.full((n * wd, split_width(c)), 0xFFFF, np.uint16))    # NaN, as garbage
+            d = cuda.device_array((n * wd, wm.shape[0]), np.float32)       # the weight's product rows
+            split_image(x, peak, cols, r0, up, norm, control=bool(control))
+            half_product(cols, w, d)
+            finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
+        else:
+            image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))
+            d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
+            split_image(x, peak, image, r0 - taps // 2, up, norm, control=bool(control), triple=True)
+            tap_product(image, w, d, span)
+            finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
     return out.copy_to_host().reshape(o, h, wd)
 
 
@@ -1098,19 +992,13 @@ def _ref_pixels(inp):
 
 CASES = [
     Case("split_fp16", _make_split, _run_split, _ref_split, notes="control: lo written as zero"),
-    Case("conv3x3_split", _make_conv(3, False), _run_conv, _ref_conv,
-         notes="columns, product (host float64 in the simulator), finish; control: the split's lo parts zero"),
-    Case("conv3x3_up_split", _make_conv(3, True), _run_conv, _ref_conv,
+    Case("conv3x3_taps", _make_conv(3, False), _run_conv, _ref_conv,
+         notes="tap products (host float64 in the simulator), finish from the grid; control: the split's lo parts zero"),
+    Case("conv3x3_up_taps", _make_conv(3, True), _run_conv, _ref_conv,
          notes="the nearest-2x upsampling read through; control: the split's lo parts zero"),
     Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
-         notes="control: the split's lo parts zero"),
-    Case("conv3x3_norm_split", _make_conv_norm, _run_conv, _ref_conv,
-         notes="silu(group_norm(x)) made in the peak's and the columns' reads; control: the split's lo parts zero"),
-    Case("conv3x3_taps", _make_conv(3, False), _run_taps, _ref_conv,
-         notes="tap products (host float64 in the simulator), finish from the grid; control: the split's lo parts zero"),
-    Case("conv3x3_up_taps", _make_conv(3, True), _run_taps, _ref_conv,
-         notes="the nearest-2x upsampling read through; control: the split's lo parts zero"),
-    Case("conv3x3_norm_taps", _make_conv_norm, _run_taps, _ref_conv,
+         notes="its columns and one split product; control: the split's lo parts zero"),
+    Case("conv3x3_norm_taps", _make_conv_norm, _run_conv, _ref_conv,
          notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),

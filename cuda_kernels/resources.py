@@ -107,7 +107,6 @@ def _signatures():
         "conv_split_image_taps": (conv._make_split_image(False, False, False, True), split_image_args),
         "conv_split_image_taps_up": (conv._make_split_image(False, True, False, True), split_image_args),
         "conv_split_image_taps_norm": (conv._make_split_image(False, False, True, True), split_image_args),
-        "conv_gather_3x3": (conv._make_gather(False, 3), (u8v, u8v, *(t.int64,) * 5, t.uint64)),
         "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean, t.int64)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
         "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),

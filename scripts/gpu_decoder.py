@@ -76,17 +76,14 @@ def ours_ms(dec, latents, calls):
 
 
 def variants_ms(tensors, latents, calls):
-    """Our decode timed as the columns path and as tap products at several chunk sizes (conv.TAP_BYTES)."""
+    """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product)."""
     import gc
     from cuda_kernels import conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
     out, kept = {}, conv.TAP_BYTES
-    for name, taps, size in [("columns", False, kept)] + [(f"taps_{mb}MB", True, mb << 20) for mb in (12, 24, 96)]:
-        conv.TAP_BYTES = size
-        dec = CudaDecoder(tensors, SMALL)
-        dec.ops.conv_taps = taps
-        out[name] = ours_ms(dec, latents, calls)
-        del dec
+    for mb in (12, 24, 96):
+        conv.TAP_BYTES = mb << 20
+        out[f"taps_{mb}MB"] = ours_ms(CudaDecoder(tensors, SMALL), latents, calls)
         gc.collect()
     conv.TAP_BYTES = kept
     print("variants (ms): " + json.dumps(out), flush=True)
@@ -157,7 +154,7 @@ def _latents(seed, size):
 
 
 # --profile's rows: ours by name, the products (cuBLASLt) by theirs
-KERNELS = ("Memcpy", "split_image", "gather", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows",
+KERNELS = ("Memcpy", "split_image", "finish", "absmax", "gn_sums", "gn_stats", "gn_apply", "split_rows",
            "softmax", "unpack", "pixels", "zero", "copy")
 
 
@@ -170,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
     parser.add_argument("--variants", action="store_true",
-                        help="also time the columns path and other tap chunk sizes, at the first size")
+                        help="also time other tap conv chunk sizes, at the first size")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:

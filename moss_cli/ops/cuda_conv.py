@@ -4,11 +4,12 @@ in float32, the latents' unpacking and the pixels' rounding on the device.
 
 Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
 nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
-never written. A conv runs over chunks of output rows: split columns of the chunk (conv.im2col: the chunk's
-split image, then its columns gathered from it), one split product against the split weight (prepared once per
-weight, from its first call: run a graph's ops eagerly once before capturing them), then `finish` writes the
-chunk's [pixels, O] product into the channels of the output with the scales divided out and the bias (and a
-residual, the ResNet block's sum) added.
+never written. A conv runs over chunks of output rows. A k x k conv: the chunk's split image in the taps'
+layout (conv.split_image triple), one product a tap against the tap's split weight, summed into one float32
+product (conv.tap_product); a 1x1 conv: the chunk's columns (its split image) and one split product. The split
+weight is prepared once per weight, from its first call (run a graph's ops eagerly once before capturing
+them); `finish` then writes the chunk's product into the channels of the output with the scales divided out
+and the bias (and a residual, the ResNet block's sum) added.
 """
 
 import weakref
@@ -48,10 +49,7 @@ def _source(x):
 
 
 class ConvCudaOps:
-    """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`. conv_taps: k x k convs as
-    tap products (_tap_conv), else through split columns."""
-
-    conv_taps = True
+    """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
     def _split_weight(self, w, taps=False):
         """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
@@ -78,20 +76,19 @@ class ConvCudaOps:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
         src, up, norm = _source(x)
         _, h, width = x.shape
-        if taps > 1 and self.conv_taps:
+        if taps > 1:
             return self._tap_conv(src, up, norm, w, b, residual, (o, h, width))
         weight, peak_w = self._split_weight(w)
         peak = self._peak(src, norm)
         out = self.new((o, h, width))
-        rows = min(h, conv.chunk_rows(c, taps, width))
-        cols = self.new((rows * width, conv.split_width(c * taps * taps)), np.uint16)
-        image = None if taps == 1 else self.new((conv.image_rows(rows, taps) * width, 2 * conv.part(c)), np.uint16)
+        rows = min(h, conv.chunk_rows(c, width))
+        cols = self.new((rows * width, conv.split_width(c)), np.uint16)
         d = self.new((rows * width, weight.shape[0]))          # conv.product_rows(o) columns
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0) * width
-            conv.im2col(src, peak, cols[:n], r0, taps, up, norm, image=image, stream=self.stream)
+            conv.split_image(src, peak, cols[:n], r0, up, norm, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
             conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
