@@ -623,7 +623,6 @@ class HalfProduct:
                                pointer(a) + 2 * (a0 + k0), la, beta.ctypes.data, pointer(d), ld, pointer(d), ld,
                                _row(found, 0), pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
 
-
     def taps(self, image, w, d, span, stream=0):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
         product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
