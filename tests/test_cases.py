@@ -52,15 +52,20 @@ def test_fingerprint_statement_agrees_with_the_checkpoint_reader():
     assert fingerprint(checkpoint.root) == checkpoint.fingerprint
 
 
+def denoise_options(spec):
+    """moss-denoise's options for a case (its case.json)."""
+    return ["--seed", spec["seed"], "--steps", spec["steps"], "--guidance", spec["guidance"],
+            "--width", spec["width"], "--height", spec["height"], "--shift", spec["shift"],
+            "--uncond-skip-layers", ",".join(map(str, spec["uncond_skip_layers"])),
+            "--skip-start", spec["skip_start"], "--skip-stop", spec["skip_stop"], "--noise", spec["noise"], "--quiet"]
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: p.name)
 def case(request, tmp_path_factory):
     folder = request.param
     spec = json.loads((folder / "case.json").read_text())
     tmp = tmp_path_factory.mktemp(folder.name)
-    args = ["--seed", spec["seed"], "--steps", spec["steps"], "--guidance", spec["guidance"],
-            "--width", spec["width"], "--height", spec["height"], "--shift", spec["shift"],
-            "--uncond-skip-layers", ",".join(map(str, spec["uncond_skip_layers"])),
-            "--skip-start", spec["skip_start"], "--skip-stop", spec["skip_stop"], "--noise", spec["noise"], "--quiet"]
+    args = denoise_options(spec)
     steps = [
         ("moss-encode", "--prompt", spec["prompt"], "--negative", spec["negative"], "--out", tmp / "ours.enc", "--quiet"),
         ("moss-denoise", folder / "prompt.enc", *args, "--trace", tmp / "ours.trace", "--out", tmp / "ours.lat"),
@@ -182,11 +187,7 @@ def test_planted_dit_bug_through_moss_denoise_fails_the_trace_and_latents_gates(
     from moss_cli import cli, transformer
     spec = json.loads((folder / "case.json").read_text())
     monkeypatch.setattr(transformer, "EPS", 1e-5)
-    args = [str(a) for a in (folder / "prompt.enc", "--seed", spec["seed"], "--steps", spec["steps"],
-                             "--guidance", spec["guidance"], "--width", spec["width"], "--height", spec["height"],
-                             "--shift", spec["shift"], "--uncond-skip-layers",
-                             ",".join(map(str, spec["uncond_skip_layers"])), "--skip-start", spec["skip_start"],
-                             "--skip-stop", spec["skip_stop"], "--noise", spec["noise"], "--device", "cpu", "--quiet",
+    args = [str(a) for a in (folder / "prompt.enc", *denoise_options(spec), "--device", "cpu",
                              "--trace", tmp_path / "planted.trace", "--out", tmp_path / "planted.lat")]
     cli._denoise.main(args, standalone_mode=False)
     ref, _ = load(folder / "trace.trace")
