@@ -609,36 +609,39 @@ class HalfProduct:
             plan = self._plans[key] = (desc, layouts, found)
         return plan
 
-    def __call__(self, a, w, d, stream=0):
+    def _matmul(self, plan, w_at, a_at, add, d, stream):
+        """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1."""
         from .gemm import WORKSPACE, _row, pointer, stream_handle
+        desc, (lw, la, ld), found = plan
+        beta = self._one if add else self._zero
+        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, w_at, lw, a_at, la, beta.ctypes.data,
+                       pointer(d), ld, pointer(d), ld, _row(found, 0), pointer(self.blas.workspace), WORKSPACE,
+                       stream_handle(stream))
+
+    def __call__(self, a, w, d, stream=0):
+        from .gemm import pointer
         m, lda = a.shape
         n, ldw = w.shape
         first = True
         for a0, w0, k in segments(lda, ldw):
             for k0, kk in slices(k):
-                desc, (lw, la, ld), found = self._plan(m, n, kk, lda, ldw)
-                beta = self._zero if first else self._one
+                self._matmul(self._plan(m, n, kk, lda, ldw), pointer(w) + 2 * (w0 + k0), pointer(a) + 2 * (a0 + k0),
+                             not first, d, stream)
                 first = False
-                self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * (w0 + k0), lw,
-                               pointer(a) + 2 * (a0 + k0), la, beta.ctypes.data, pointer(d), ld, pointer(d), ld,
-                               _row(found, 0), pointer(self.blas.workspace), WORKSPACE, stream_handle(stream))
 
     def taps(self, image, w, d, span, stream=0):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
         product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
         taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
         under SLICE_K."""
-        from .gemm import WORKSPACE, _row, pointer, stream_handle
+        from .gemm import pointer
         m, (count, n, p3) = d.shape[0], w.shape
         side = int(round(math.sqrt(count)))
-        desc, (lw, la, ld), found = self._plan(m, n, p3, p3, p3, align=16)
+        plan = self._plan(m, n, p3, p3, p3, align=16)
         for t in range(count):
             dy, dx = divmod(t, side)
-            beta = self._zero if t == 0 else self._one
-            self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, pointer(w) + 2 * t * n * p3, lw,
-                           pointer(image) + 2 * (dy * span + dx) * p3, la, beta.ctypes.data, pointer(d), ld,
-                           pointer(d), ld, _row(found, 0), pointer(self.blas.workspace), WORKSPACE,
-                           stream_handle(stream))
+            self._matmul(plan, pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3, t > 0, d,
+                         stream)
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
