@@ -172,14 +172,25 @@ def weight_matrix(w):
 def _gn_affine(v, c, stats, w, b):
     """(v - mean) (w[c] rstd) + b[c] for a value v of channel c, its group's (mean, rstd) in stats [G, 2+]
     (consecutive channel groups). The one formula of the group norm's output wherever it is made."""
-    g = c // (w.shape[0] // stats.shape[0])
+    return _gn_affine_of(v, c, c // (w.shape[0] // stats.shape[0]), stats, w, b)
+
+
+@jit(device=True, forceinline=True)
+def _gn_affine_of(v, c, g, stats, w, b):
+    """_gn_affine with the channel's group g given."""
     return (v - stats[g, 0]) * (w[c] * stats[g, 1]) + b[c]
 
 
 @jit(device=True, forceinline=True)
 def _gn_silu(v, c, stats, w, b):
     """silu of _gn_affine."""
-    y = _gn_affine(v, c, stats, w, b)
+    return _gn_silu_of(v, c, c // (w.shape[0] // stats.shape[0]), stats, w, b)
+
+
+@jit(device=True, forceinline=True)
+def _gn_silu_of(v, c, g, stats, w, b):
+    """silu of _gn_affine_of."""
+    y = _gn_affine_of(v, c, g, stats, w, b)
     return y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
 
 
@@ -267,6 +278,7 @@ def _make_split_image(control, up, norm=False, triple=False):
         outside x; channels past C are zero."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
+        groups = cuda.local.array(PER_THREAD, int32)
         s = scale_of(peak[0])
         c_in = x.shape[0]
         h = 2 * x.shape[1] if up else x.shape[1]
@@ -275,9 +287,18 @@ def _make_split_image(control, up, norm=False, triple=False):
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c0 = cuda.blockIdx.y * SPLIT_CH
         per_row = (span_px + SPLIT_PX - 1) // SPLIT_PX
-        tid, threads, pairs = ty * cuda.blockDim.x + tx, cuda.blockDim.x * cuda.blockDim.y, SPLIT_CH // 2
+        pairs = SPLIT_CH // 2
         # word pairs a pixel's row gets from this block: its tile's, and the last block the zeros up to P
         span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
+        if norm:       # the group of each of this thread's channels, without a division a value
+            per_group = gw.shape[0] // stats.shape[0]
+            g, at_g = (c0 + ty) // per_group, (c0 + ty) % per_group
+            for j in range(PER_THREAD):
+                groups[j] = g
+                at_g += ROWS
+                while at_g >= per_group:
+                    at_g -= per_group
+                    g += 1
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
             y, xx = r0 + i, x0 + tx - pad
@@ -294,26 +315,27 @@ def _make_split_image(control, up, norm=False, triple=False):
                 if live and c < c_in:
                     v = got[j]
                     if norm:
-                        v = _gn_silu(v, c, stats, gw, gb)
+                        v = _gn_silu_of(v, c, groups[j], stats, gw, gb)
                     v *= s
                     hi = to_half(v)
                     lo = to_half(v - from_half(hi)) if not control else uint16(0)
                     word = uint32(hi) | (uint32(lo) << uint32(16))
                 sh[ty + j * ROWS, tx] = word
             cuda.syncthreads()
-            for k in range(tid, span * SPLIT_PX, threads):
-                pr, px = k % span, k // span
+            # a warp writes one pixel's word pairs (tx along them), the block's rows the tile's pixels
+            for px in range(ty, SPLIT_PX, ROWS):
                 if x0 + px < span_px:
-                    lo_pair, hi_pair = uint32(0), uint32(0)
-                    if pr < pairs:
-                        a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
-                        hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
-                        lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
-                    at = (i * span_px + x0 + px) * pixel_words + c0 // 2 + pr
-                    words[at] = hi_pair
-                    words[at + half] = lo_pair
-                    if triple:
-                        words[at + 2 * half] = hi_pair
+                    at = (i * span_px + x0 + px) * pixel_words + c0 // 2
+                    for pr in range(tx, span, SPLIT_PX):
+                        lo_pair, hi_pair = uint32(0), uint32(0)
+                        if pr < pairs:
+                            a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
+                            hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
+                            lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
+                        words[at + pr] = hi_pair
+                        words[at + half + pr] = lo_pair
+                        if triple:
+                            words[at + 2 * half + pr] = hi_pair
     return split_image
 
 
@@ -336,13 +358,18 @@ def _make_finish(control):
                     v += bias[n] if not control else bias[0]
                 sh[j, tx] = v
         cuda.syncthreads()
+        m, q, live = m0 + tx, m0 + tx, True      # channels: this thread's product row and its pixel q
+        if channels and span > 0:
+            # grid row m = (row, column) of the taps' grid: one division a block, then steps of one
+            row, col = m0 // span, m0 % span + tx
+            while col >= span:
+                col -= span
+                row += 1
+            q, live = row * (span - 2) + col, col < span - 2
         for j in range(ty, TILE, ROWS):
             if channels:
-                n, m = n0 + j, m0 + tx
-                q = m
-                if span > 0:
-                    q = (m // span) * (span - 2) + m % span
-                if m < d.shape[0] and n < d.shape[1] and (span == 0 or m % span < span - 2):
+                n = n0 + j
+                if m < d.shape[0] and n < d.shape[1] and live:
                     v = sh[tx, j]
                     if res.size > 0:
                         v += res[n, offset + q]

@@ -81,7 +81,7 @@ def variants_ms(tensors, latents, calls):
     from cuda_kernels import conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
     out, kept = {}, conv.TAP_BYTES
-    for mb in (24, 32, 48, 96):
+    for mb in (24, 32, 40, 48):
         conv.TAP_BYTES = mb << 20
         out[f"taps_{mb}MB"] = ours_ms(CudaDecoder(tensors, SMALL), latents, calls)
         gc.collect()
