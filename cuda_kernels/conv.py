@@ -18,10 +18,11 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit, ptx_op
 
+U = uint64                    # an index known >= 0: no wraparound code for negative indices
 R_16F, R_32F = 2, 0           # cudaDataType
 TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
@@ -33,8 +34,8 @@ SPLIT_CH = 16 if SIMULATED else 64     # channels of a split_image block (divide
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the columns of one chunk of pixel rows of a 1x1 conv
-DEVICE_TAP_BYTES = 24 << 20             # a tap conv chunk's split image and product (12, 24, 96 MB: 154, 122, 135 ms
-                                        # a 1024 decode on the H100, results/h100/decoder-95dc198.json)
+DEVICE_TAP_BYTES = 32 << 20             # a tap conv chunk's split image and product (24, 32, 40, 48 MB: 118.3, 108.4,
+                                        # 107.6, 120.8 ms a 1024 decode on the H100 at dc9d533)
 TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
@@ -271,16 +272,16 @@ def _make_split_image(control, up, norm=False, triple=False):
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
     @jit(launch_bounds=(SPLIT_PX * ROWS, 3))    # three blocks an SM (at most 85 registers)
-    def split_image(x, peak, words, rows, width, r0, half, stats, gw, gb, pad):
+    def split_image(x, flat, peak, words, rows, width, r0, half, stats, gw, gb, pad):
         """words = the image [rows (W + 2 pad), parts P] fp16 bits as 4-byte words: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2), and with triple words
         [2 half, 3 half) hi again; image row i is input row r0 + i, its pixel j input column j - pad; zero
-        outside x; channels past C are zero."""
+        outside x; channels past C are zero. flat: x as one row (the loads' addresses: one add a value)."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
         groups = cuda.local.array(PER_THREAD, int32)
         s = scale_of(peak[0])
-        c_in = x.shape[0]
+        c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
         span_px = width + 2 * pad                    # pixels of an image row
         pixel_words = 3 * half if triple else 2 * half
@@ -303,11 +304,14 @@ def _make_split_image(control, up, norm=False, triple=False):
             i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
             y, xx = r0 + i, x0 + tx - pad
             live = 0 <= y < h and 0 <= xx < width
+            at_x = 0
+            if live:
+                at_x = (c0 + ty) * plane + ((y // 2) * x.shape[2] + xx // 2 if up else y * x.shape[2] + xx)
             for j in range(PER_THREAD):                  # every load issued before the first is used
                 c = c0 + ty + j * ROWS
                 got[j] = float32(0.0)
                 if live and c < c_in:
-                    got[j] = x[c, y // 2, xx // 2] if up else x[c, y, xx]
+                    got[j] = flat[U(at_x + j * ROWS * plane)]
             cuda.syncthreads()                           # the previous tile's reads of sh are done
             for j in range(PER_THREAD):
                 c = c0 + ty + j * ROWS
@@ -320,7 +324,7 @@ def _make_split_image(control, up, norm=False, triple=False):
                     hi = to_half(v)
                     lo = to_half(v - from_half(hi)) if not control else uint16(0)
                     word = uint32(hi) | (uint32(lo) << uint32(16))
-                sh[ty + j * ROWS, tx] = word
+                sh[U(ty + j * ROWS), U(tx)] = word
             cuda.syncthreads()
             # a warp writes one pixel's word pairs (tx along them), the block's rows the tile's pixels
             for px in range(ty, SPLIT_PX, ROWS):
@@ -329,13 +333,13 @@ def _make_split_image(control, up, norm=False, triple=False):
                     for pr in range(tx, span, SPLIT_PX):
                         lo_pair, hi_pair = uint32(0), uint32(0)
                         if pr < pairs:
-                            a, b = sh[2 * pr, px], sh[2 * pr + 1, px]
+                            a, b = sh[U(2 * pr), U(px)], sh[U(2 * pr + 1), U(px)]
                             hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
                             lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
-                        words[at + pr] = hi_pair
-                        words[at + half + pr] = lo_pair
+                        words[U(at + pr)] = hi_pair
+                        words[U(at + half + pr)] = lo_pair
                         if triple:
-                            words[at + 2 * half + pr] = hi_pair
+                            words[U(at + 2 * half + pr)] = hi_pair
     return split_image
 
 
@@ -353,10 +357,10 @@ def _make_finish(control):
         for j in range(ty, TILE, ROWS):
             m, n = m0 + j, n0 + tx
             if m < d.shape[0] and n < d.shape[1]:
-                v = d[m, n] * inv
+                v = d[U(m), U(n)] * inv
                 if bias.size > 0:
-                    v += bias[n] if not control else bias[0]
-                sh[j, tx] = v
+                    v += bias[U(n)] if not control else bias[0]
+                sh[U(j), U(tx)] = v
         cuda.syncthreads()
         m, q, live = m0 + tx, m0 + tx, True      # channels: this thread's product row and its pixel q
         if channels and span > 0:
@@ -370,17 +374,17 @@ def _make_finish(control):
             if channels:
                 n = n0 + j
                 if m < d.shape[0] and n < d.shape[1] and live:
-                    v = sh[tx, j]
+                    v = sh[U(tx), U(j)]
                     if res.size > 0:
-                        v += res[n, offset + q]
-                    out[n, offset + q] = v
+                        v += res[U(n), U(offset + q)]
+                    out[U(n), U(offset + q)] = v
             else:
                 m, n = m0 + j, n0 + tx
                 if m < d.shape[0] and n < d.shape[1]:
-                    v = sh[j, tx]
+                    v = sh[U(j), U(tx)]
                     if res.size > 0:
-                        v += res[m, n]
-                    out[m, n] = v
+                        v += res[U(m), U(n)]
+                    out[U(m), U(n)] = v
     return finish
 
 
@@ -530,7 +534,7 @@ def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
     _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
-        x, peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b, pad)
+        x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b, pad)
 
 
 def image_rows(rows, taps):

@@ -37,7 +37,7 @@ def _signatures():
     u1 = a(t.uint32, 1)
     w2 = a(t.uint64, 2, "A")                                   # 8-byte words (elementwise._words)
     w2c, u8v = a(t.uint64, 2), a(t.uint64, 1)                  # dit's contiguous word views
-    split_image_args = (f3, f1, u1, *(t.int64,) * 4, f2, f1, f1, t.int64)
+    split_image_args = (f3, f1, f1, u1, *(t.int64,) * 4, f2, f1, f1, t.int64)
     packed_team = elementwise._tiles(1, 2 * 12288 // elementwise.PACK)[1]
     return {
         "cast_bf16": (elementwise._cast[False], (f1, a(t.uint16, 1))),

@@ -6,10 +6,13 @@
   chunked     the chunked delta rule's setup and walk, 1000 tokens
   rows        the row kernels of a 1000-token encode (the contract's real cases): gdn_inputs, swiglu,
               rms_norm and gated_rms_norm with bf16 outputs
+  decoder     one chunk of a 96 -> 96 channel tap conv of the 1024 decode: its split image (plain and of
+              silu(group_norm)) and its finish with a residual
 
     ncu --clock-control none --set full -k regex:'gated_delta_rule|nvjet' python3 scripts/gpu_ncu_kernels.py
     python3 scripts/gpu_ncu_kernels.py flash chunked       (the kernels: flash|prep, setup|walk)
     python3 scripts/gpu_ncu_kernels.py rows                (the kernels: gdn_inputs|swiglu|rms_norm)
+    python3 scripts/gpu_ncu_kernels.py decoder             (the kernels: split_image|finish)
 
 (run as a script, as gpu_run.sh does: it imports its sibling gpu_bench_delta)
 """
@@ -74,7 +77,28 @@ def rows():
                 case.run(inp, False)
 
 
-GROUPS = {"recurrence": recurrence, "products": products, "flash": attention, "chunked": chunked, "rows": rows}
+def decoder(c=96, size=1024):
+    from cuda_kernels import conv
+    rng = np.random.default_rng(0)
+    x = cuda.to_device(rng.standard_normal((c, size, size), dtype=np.float32))
+    w, b = cuda.to_device(np.ones(c, np.float32)), cuda.to_device(np.zeros(c, np.float32))
+    partial = cuda.device_array((2, 32, conv.GN_PARTS), np.float32)
+    conv.group_stats(x, 32, 1e-6, partial)
+    peak = cuda.device_array(1, np.float32)
+    conv.absmax(x, peak)
+    rows, span = min(size, conv.tap_rows(c, c, size)), size + 2
+    r0 = min(100, size - rows)          # the chunk's first output row
+    image = cuda.device_array((conv.image_rows(rows, 3) * span, 3 * conv.tap_part(c)), np.uint16)
+    for norm in (None, (partial[0], w, b)):
+        conv.split_image(x, peak, image, r0 - 1, norm=norm, triple=True)
+    d = cuda.device_array((rows * span - 2, c), np.float32)
+    d[:] = 1.0
+    out = cuda.device_array((c, size * size), np.float32)
+    conv.finish(d, peak, peak, b, out, r0 * size, channels=True, residual=out, span=span)
+
+
+GROUPS = {"recurrence": recurrence, "products": products, "flash": attention, "chunked": chunked, "rows": rows,
+          "decoder": decoder}
 
 
 def main(names):
