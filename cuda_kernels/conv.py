@@ -18,7 +18,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit, ptx_op
 
@@ -170,6 +170,14 @@ def weight_matrix(w):
 
 # --- kernels ------------------------------------------------------------------------------
 @jit(device=True, forceinline=True)
+def divmod32(a, b):
+    """(a // b, a % b) for 0 <= a < 2^32 and 0 < b < 2^32, as int64, from a 32-bit unsigned division (numba
+    types integer division 64-bit and signed, a much longer instruction sequence)."""
+    q = uint32(a) // uint32(b)
+    return int64(q), int64(uint32(a) - uint32(q) * uint32(b))
+
+
+@jit(device=True, forceinline=True)
 def _gn_affine(v, c, stats, w, b):
     """(v - mean) (w[c] rstd) + b[c] for a value v of channel c, its group's (mean, rstd) in stats [G, 2+]
     (consecutive channel groups). The one formula of the group norm's output wherever it is made."""
@@ -293,7 +301,7 @@ def _make_split_image(control, up, norm=False, triple=False):
         span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
         if norm:       # the group of each of this thread's channels, without a division a value
             per_group = gw.shape[0] // stats.shape[0]
-            g, at_g = (c0 + ty) // per_group, (c0 + ty) % per_group
+            g, at_g = divmod32(c0 + ty, per_group)
             for j in range(PER_THREAD):
                 groups[j] = g
                 at_g += ROWS
@@ -301,7 +309,8 @@ def _make_split_image(control, up, norm=False, triple=False):
                     at_g -= per_group
                     g += 1
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
-            i, x0 = tile // per_row, (tile % per_row) * SPLIT_PX
+            i, x0 = divmod32(tile, per_row)
+            x0 *= SPLIT_PX
             y, xx = r0 + i, x0 + tx - pad
             live = 0 <= y < h and 0 <= xx < width
             at_x = 0
@@ -365,7 +374,8 @@ def _make_finish(control):
         m, q, live = m0 + tx, m0 + tx, True      # channels: this thread's product row and its pixel q
         if channels and span > 0:
             # grid row m = (row, column) of the taps' grid: one division a block, then steps of one
-            row, col = m0 // span, m0 % span + tx
+            row, col = divmod32(m0, span)
+            col += tx
             while col >= span:
                 col -= span
                 row += 1
