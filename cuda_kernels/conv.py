@@ -279,7 +279,7 @@ def _make_split_image(control, up, norm=False, triple=False):
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
-    @jit(launch_bounds=(SPLIT_PX * ROWS, 3))    # three blocks an SM (at most 85 registers)
+    @jit(launch_bounds=(SPLIT_PX * ROWS, 4))    # four blocks an SM (at most 64 registers)
     def split_image(x, flat, peak, words, rows, width, r0, half, stats, gw, gb, pad):
         """words = the image [rows (W + 2 pad), parts P] fp16 bits as 4-byte words: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2), and with triple words
