@@ -34,8 +34,8 @@ SPLIT_CH = 16 if SIMULATED else 64     # channels of a split_image block (divide
 DEVICE_GN_PARTS = 64                    # blocks per group in the group norm's sums
 GN_PARTS = 2 if SIMULATED else DEVICE_GN_PARTS
 DEVICE_COLUMN_BYTES = 192 << 20         # the columns of one chunk of pixel rows of a 1x1 conv
-DEVICE_TAP_BYTES = 32 << 20             # a tap conv chunk's split image and product (24, 32, 40, 48 MB: 118.3, 108.4,
-                                        # 107.6, 120.8 ms a 1024 decode on the H100 at dc9d533)
+DEVICE_TAP_BYTES = 32 << 20             # a tap conv chunk's split image and product (24, 32, 40, 48 MB: 112.2, 103.1,
+                                        # 102.1, 115.0 ms a 1024 decode, results/h100/decoder-b06418a.json)
 TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
