@@ -373,7 +373,7 @@ def _make_finish(control):
         cuda.syncthreads()
         m, q, live = m0 + tx, m0 + tx, True      # channels: this thread's product row and its pixel q
         if channels and span > 0:
-            # grid row m = (row, column) of the taps' grid: one division a block, then steps of one
+            # grid row m = (row, column) of the taps' grid: one 32-bit division (of the block's m0), then steps
             row, col = divmod32(m0, span)
             col += tx
             while col >= span:
@@ -544,7 +544,8 @@ def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
     _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
-        x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2, stats, w, b, pad)
+        x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
+        stats, w, b, pad)
 
 
 def image_rows(rows, taps):
