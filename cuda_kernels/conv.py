@@ -37,6 +37,9 @@ DEVICE_COLUMN_BYTES = 192 << 20         # the columns of one chunk of pixel rows
 DEVICE_TAP_BYTES = 32 << 20             # a tap conv chunk's split image and product (24, 32, 40, 48 MB: 112.2, 103.1,
                                         # 102.1, 115.0 ms a 1024 decode, results/h100/decoder-b06418a.json)
 TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
+# A variant, off until the GPU has timed it (scripts/gpu_decoder.py --variants): the tap products write their
+# product channel-major, [O, grid], and finish_planar streams it into the output without a transpose
+TAP_PLANAR = False
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
 
@@ -398,6 +401,32 @@ def _make_finish(control):
     return finish
 
 
+def _make_finish_planar(control):
+    @jit
+    def finish_planar(d, peak_a, peak_w, bias, res, out, offset, width, span, rows):
+        """out[n, offset + r W + c] = d[n, r span + c] / (scale_a scale_w) + bias[n] (+ res, added last) for the
+        first `rows` rows of the taps' grid (rows of span = W + 2 pixels; c < W = width) of a channel-major tap
+        product d [N', M]: block (x, y) takes grid rows x, x + gridDim.x, .. of output channel y, its threads
+        a row's columns (coalesced on both sides); the same arithmetic as finish."""
+        n = cuda.blockIdx.y
+        if n >= out.shape[0]:
+            return
+        inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
+        b = float32(0.0)
+        if bias.size > 0:
+            b = bias[U(n)] if not control else bias[0]
+        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            src, dst = r * span, offset + r * width
+            for c in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+                v = d[U(n), U(src + c)] * inv
+                if bias.size > 0:
+                    v += b
+                if res.size > 0:
+                    v += res[U(n), U(dst + c)]
+                out[U(n), U(dst + c)] = v
+    return finish_planar
+
+
 def _make_gn_sums(control):
     @jit
     def gn_sums(x, stats, partial, centred):
@@ -494,6 +523,7 @@ _zero = _make_zero()
 _absmax = {(c, n): _make_absmax(c, n) for c in (False, True) for n in (False, True)}
 _split_rows = {c: _make_split_rows(c) for c in (False, True)}
 _finish = {c: _make_finish(c) for c in (False, True)}
+_finish_planar = {c: _make_finish_planar(c) for c in (False, True)}
 _gn_sums = {c: _make_gn_sums(c) for c in (False, True)}
 _gn_stats = _make_gn_stats()
 _gn_apply = _make_gn_apply()
@@ -561,6 +591,17 @@ def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None
     grid = (-(-d.shape[0] // TILE), -(-d.shape[1] // TILE))
     _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, residual, out, int(offset),
                                                  bool(channels), int(span))
+
+
+def finish_planar(d, peak_a, peak_w, bias, out, offset, width, span, rows, residual=None, stream=0, control=False):
+    """out [O, total] from a channel-major tap product d [product_rows(O), M] of `rows` output rows (see the
+    kernel); bias None or [O]; residual None or shaped as out."""
+    bias = _empty(1) if bias is None else bias
+    residual = _empty(2) if residual is None else residual.reshape(out.shape)
+    grid = (max(1, min(rows, 2 if SIMULATED else 64)), out.shape[0])
+    threads = 32 if SIMULATED else 256
+    _finish_planar[control][grid, threads, stream](d, peak_a, peak_w, bias, residual, out, int(offset), int(width),
+                                                   int(span), int(rows))
 
 
 def _empty(ndim):
@@ -634,17 +675,22 @@ class HalfProduct:
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
 
-    def _plan(self, m, n, k, lda, ldw, align=None):
+    def _plan(self, m, n, k, lda, ldw, align=None, ldd=None):
+        """ldd: the product channel-major, D [N, ldd] (the operands' roles swapped: the image is cuBLAS's A)."""
         from .gemm import COMPUTE_32F, OP_N, OP_T, _set
-        key = (m, n, k, lda, ldw, align)
+        key = (m, n, k, lda, ldw, align, ldd)
         plan = self._plans.get(key)
         if plan is None:
             lt, A = self.lt, self.lt.MatmulDescAttribute
             desc = lt.matmul_desc_create(COMPUTE_32F, R_32F)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSA, OP_T, np.int32)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
-            layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
-                       lt.matrix_layout_create(R_32F, n, m, n))
+            if ldd is None:
+                layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
+                           lt.matrix_layout_create(R_32F, n, m, n))
+            else:
+                layouts = (lt.matrix_layout_create(R_16F, k, m, lda), lt.matrix_layout_create(R_16F, k, n, ldw),
+                           lt.matrix_layout_create(R_32F, m, n, ldd))
             found = self.blas._heuristic(desc, *layouts, 1, align)
             if len(found) == 0:
                 raise RuntimeError(f"cuBLASLt has no fp16 algorithm for M={m} N={n} K={k}")
@@ -652,7 +698,8 @@ class HalfProduct:
         return plan
 
     def _matmul(self, plan, w_at, a_at, add, d, stream):
-        """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1."""
+        """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1.
+        For a channel-major plan (ldd), w_at and a_at are given swapped: cuBLAS's A first."""
         from .gemm import WORKSPACE, _row, pointer, stream_handle
         desc, (lw, la, ld), found = plan
         beta = self._one if add else self._zero
@@ -671,19 +718,25 @@ class HalfProduct:
                              not first, d, stream)
                 first = False
 
-    def taps(self, image, w, d, span, stream=0):
+    def taps(self, image, w, d, span, stream=0, rows=None):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
         product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
         taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
-        under SLICE_K."""
+        under SLICE_K. rows: d is channel-major, [N, ld] of M = rows grid rows (ld a multiple of 4)."""
         from .gemm import pointer
-        m, (count, n, p3) = d.shape[0], w.shape
+        (count, n, p3) = w.shape
         side = int(round(math.sqrt(count)))
-        plan = self._plan(m, n, p3, p3, p3, align=16)
+        if rows is None:
+            plan = self._plan(d.shape[0], n, p3, p3, p3, align=16)
+        else:
+            plan = self._plan(rows, n, p3, p3, p3, align=16, ldd=d.shape[1])
         for t in range(count):
             dy, dx = divmod(t, side)
-            self._matmul(plan, pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3, t > 0, d,
-                         stream)
+            w_at, a_at = pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3
+            if rows is None:
+                self._matmul(plan, w_at, a_at, t > 0, d, stream)
+            else:
+                self._matmul(plan, a_at, w_at, t > 0, d, stream)
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
@@ -715,22 +768,27 @@ def half_product(a, w, d, stream=0):
     _product(a, w, d, stream)
 
 
-def tap_product(image, w, d, span, stream=0):
+def tap_product(image, w, d, span, stream=0, rows=None):
     """d [M, N] float32 = sum over the taps t = (dy, dx) of a k x k conv (w [k k, N, 3P] fp16 bits, tap_weights)
     of image[m + dy span + dx] . w[t] over the 3P columns, image [pixels, 3P] fp16 bits in the taps' layout
     (split_image triple: [hi | lo | hi] a pixel, rows of span = W + 2 pixels): d's row m is the output at image
-    row m // span, column m % span (the last two columns of each row are not the image's). In the simulator
-    (no cuBLAS): on the host in float64."""
+    row m // span, column m % span (the last two columns of each row are not the image's). rows: d is
+    channel-major instead, d[n, m] for m < M = rows ([N, ld], ld >= M a multiple of 4; TAP_PLANAR). In the
+    simulator (no cuBLAS): on the host in float64."""
     global _product
     if SIMULATED:
         av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
-        side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0]
-        d[:] = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
-                   for dy in range(side) for dx in range(side)).astype(np.float32)
+        side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0] if rows is None else rows
+        got = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
+                  for dy in range(side) for dx in range(side)).astype(np.float32)
+        if rows is None:
+            d[:] = got
+        else:
+            d[:, :m] = np.ascontiguousarray(got.T)
         return
     if _product is None:
         _product = HalfProduct()
-    _product.taps(image, w, d, span, stream)
+    _product.taps(image, w, d, span, stream, rows)
 
 
 def tap_part(c):
@@ -858,14 +916,15 @@ def _ref_split(inp):
         np.concatenate([split, split, (2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38).ravel(), zeros])
 
 
-def _make_conv(taps, up):
+def _make_conv(taps, up, planar=False):
     def make(rng, size):
         c, o, h, w = (5, 3, 3, 4) if size == "tiny" else (384, 384, 128, 128)
         if up:
             h, w = h // 2 + 1, w // 2 + 1
         x = rng.standard_normal((c, h, w)).astype(np.float32) * 3
         wt = (rng.standard_normal((o, c, taps, taps)) / math.sqrt(c * taps * taps)).astype(np.float32)
-        return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up}
+        return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up,
+                "planar": planar}
     return make
 
 
@@ -883,7 +942,8 @@ def _run_conv(inp, control):
     """A conv as CudaOps runs it, chunk by chunk (two rows a chunk in the tiny case), finish into [O, H, W]: a 1x1
     conv through its columns (its split image [hi | lo]) and one split product; a k x k conv as tap products (the
     split image in the taps' layout, a product a tap); with "gw" in inp, over silu(group_norm(x)) made in the
-    peak's and the split's reads. control: the split's lo parts zero."""
+    peak's and the split's reads; with "planar", the tap product channel-major and finish_planar (TAP_PLANAR).
+    control: the split's lo parts zero (planar: finish_planar's bias[0] for every channel)."""
     x = cuda.to_device(inp["x"])
     taps, up = inp["taps"], inp["up"]
     wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
@@ -899,20 +959,27 @@ def _run_conv(inp, control):
         norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
     absmax(x, peak, norm)
     rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd))
+    planar = bool(inp.get("planar"))
+    lo_zero = bool(control) and not planar
     for r0 in range(0, h, rows):
         n = min(rows, h - r0)
         if taps == 1:
             cols = cuda.to_device(np.full((n * wd, split_width(c)), 0xFFFF, np.uint16))    # NaN, as garbage
             d = cuda.device_array((n * wd, wm.shape[0]), np.float32)       # the weight's product rows
-            split_image(x, peak, cols, r0, up, norm, control=bool(control))
+            split_image(x, peak, cols, r0, up, norm, control=lo_zero)
             half_product(cols, w, d)
             finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
         else:
             image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))
-            d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
-            split_image(x, peak, image, r0 - taps // 2, up, norm, control=bool(control), triple=True)
-            tap_product(image, w, d, span)
-            finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
+            split_image(x, peak, image, r0 - taps // 2, up, norm, control=lo_zero, triple=True)
+            if planar:
+                d = cuda.device_array((wm.shape[1], -(-n * span // 4) * 4), np.float32)
+                tap_product(image, w, d, span, rows=n * span - 2)
+                finish_planar(d, peak, peak_w, bias, out, r0 * wd, wd, span, n, control=bool(control))
+            else:
+                d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
+                tap_product(image, w, d, span)
+                finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
     return out.copy_to_host().reshape(o, h, wd)
 
 
@@ -955,6 +1022,35 @@ def _ref_finish(inp):
     bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])) + 1e-30
     summed = ref + inp["r"][:, 3:].T.astype(np.float64)
     return np.concatenate([ref, summed]), np.concatenate([bound, bound + 2 * EPS32 * np.abs(summed)])
+
+
+def _make_finish_planar_inputs(rng, size):
+    n, width, rows = (5, 6, 3) if size == "tiny" else (384, 1024, 32)
+    span = width + 2
+    return {"d": rng.standard_normal((n, rows * span)).astype(np.float32) * 1e4,
+            "b": rng.standard_normal(n).astype(np.float32), "pa": np.float32(3.0), "pw": np.float32(0.01),
+            "r": rng.standard_normal((n, rows * width + 3)).astype(np.float32), "width": width, "rows": rows}
+
+
+def _run_finish_planar(inp, control):
+    d, b, r = cuda.to_device(inp["d"]), cuda.to_device(inp["b"]), cuda.to_device(inp["r"])
+    pa, pw = cuda.to_device(np.array([inp["pa"]])), cuda.to_device(np.array([inp["pw"]]))
+    width, rows = inp["width"], inp["rows"]
+    out = cuda.to_device(np.zeros(inp["r"].shape, np.float32))
+    finish_planar(d, pa, pw, b, out, 3, width, width + 2, rows, residual=r, control=control)
+    return out.copy_to_host()[:, 3:]
+
+
+def _ref_finish_planar(inp):
+    """The grid's image columns, scaled, plus the bias and the residual (two roundings and the sum's)."""
+    width, rows = inp["width"], inp["rows"]
+    n = inp["d"].shape[0]
+    grid = inp["d"].reshape(n, rows, width + 2)[:, :, :width].reshape(n, rows * width).astype(np.float64)
+    inv = 1.0 / (host_scale(inp["pa"]) * host_scale(inp["pw"]))
+    ref = grid * inv + inp["b"].astype(np.float64)[:, None]
+    summed = ref + inp["r"][:, 3:].astype(np.float64)
+    bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])[:, None]) + 2 * EPS32 * np.abs(summed) + 1e-30
+    return summed, bound
 
 
 def _make_gn(rng, size):
@@ -1044,7 +1140,12 @@ CASES = [
          notes="its columns and one split product; control: the split's lo parts zero"),
     Case("conv3x3_norm_taps", _make_conv_norm, _run_conv, _ref_conv,
          notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
+    Case("conv3x3_taps_planar", _make_conv(3, False, planar=True), _run_conv, _ref_conv,
+         notes="the variant TAP_PLANAR: the tap product channel-major, finish_planar; control: finish_planar's "
+               "bias[0] for every channel"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
+    Case("finish_planar", _make_finish_planar_inputs, _run_finish_planar, _ref_finish_planar,
+         notes="control: bias[0] for every channel"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
     Case("to_pixels", _make_pixel_inputs, _run_pixels, _ref_pixels, notes="control: ties rounded down"),

@@ -108,6 +108,7 @@ def _signatures():
         "conv_split_image_taps_up": (conv._make_split_image(False, True, False, True), split_image_args),
         "conv_split_image_taps_norm": (conv._make_split_image(False, False, True, True), split_image_args),
         "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean, t.int64)),
+        "conv_finish_planar": (conv._finish_planar[False], (f2, f1, f1, f1, f2, f2, *(t.int64,) * 4)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, t.boolean)),
         "group_norm_stats": (conv._gn_stats, (f3, t.float32, t.float32)),
         "group_norm_apply": (conv._gn_apply, (f2, f2, f1, f1, f2, t.boolean)),

@@ -75,8 +75,10 @@ def ours_ms(dec, latents, calls):
     return statistics.median(times)
 
 
-def variants_ms(tensors, latents, calls):
-    """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product)."""
+def variants_ms(tensors, latents, calls, pixels):
+    """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product), and with
+    the channel-major tap products (conv.TAP_PLANAR) at the default size, with the count of its uint8 values
+    that differ from the default decode's `pixels`."""
     import gc
     from cuda_kernels import conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
@@ -86,6 +88,14 @@ def variants_ms(tensors, latents, calls):
         out[f"taps_{mb}MB"] = ours_ms(CudaDecoder(tensors, SMALL), latents, calls)
         gc.collect()
     conv.TAP_BYTES = kept
+    conv.TAP_PLANAR = True
+    try:
+        dec = CudaDecoder(tensors, SMALL)
+        out["taps_planar"] = ours_ms(dec, latents, calls)
+        out["taps_planar_values_differing"] = int(np.count_nonzero(dec.decode(latents) != pixels))
+    finally:
+        conv.TAP_PLANAR = False
+    gc.collect()
     print("variants (ms): " + json.dumps(out), flush=True)
     return out
 
@@ -197,7 +207,7 @@ def main(argv=None):
         row["ours_first_call_s"] = time.perf_counter() - start
         row["ours_ms"] = ours_ms(dec, latents, args.replays)
         if args.variants and size == args.sizes[0]:
-            row["variants_ms"] = variants_ms(tensors, latents, args.replays)
+            row["variants_ms"] = variants_ms(tensors, latents, args.replays, pixels)
         if args.profile:
             row["profile"] = kernel_table(cuda_spans(lambda: [dec.decode(latents) for _ in range(3)]), repeats=3,
                                           group=by_family(KERNELS))

@@ -98,7 +98,8 @@ class ConvCudaOps:
         """conv2d of a k x k kernel as tap products over chunks of output rows: the chunk's split image in the
         taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
         tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
-        conv.TAP_BYTES, so the taps after the first find both in L2."""
+        conv.TAP_BYTES, so the taps after the first find both in L2. With conv.TAP_PLANAR (a variant) d is
+        channel-major and conv.finish_planar streams it out."""
         o, h, width = shape
         taps, span = w.shape[2], width + 2
         weight, peak_w = self._split_weight(w, taps=True)
@@ -106,7 +107,11 @@ class ConvCudaOps:
         out = self.new(shape)
         rows = min(h, conv.tap_rows(src.shape[0], o, width))
         image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
-        d = self.new((rows * span, weight.shape[1]))
+        planar = conv.TAP_PLANAR
+        if planar:      # channel-major [O', ld]: each channel's row 16-byte aligned
+            d = self.new((weight.shape[1], -(-rows * span // 4) * 4))
+        else:
+            d = self.new((rows * span, weight.shape[1]))
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
@@ -114,9 +119,14 @@ class ConvCudaOps:
             m = n * span - 2                        # the last row's two columns past the image are not computed
             conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 - taps // 2, up, norm,
                              stream=self.stream, triple=True)
-            conv.tap_product(image, weight, d[:m], span, stream=self.stream)
-            conv.finish(d[:m, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
-                        stream=self.stream, span=span)
+            if planar:
+                conv.tap_product(image, weight, d, span, stream=self.stream, rows=m)
+                conv.finish_planar(d, peak, peak_w, b, flat, r0 * width, width, span, n, residual=res,
+                                   stream=self.stream)
+            else:
+                conv.tap_product(image, weight, d[:m], span, stream=self.stream)
+                conv.finish(d[:m, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
+                            stream=self.stream, span=span)
         return out
 
     def group_norm(self, x, groups, w, b, eps):
