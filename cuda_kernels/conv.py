@@ -40,6 +40,11 @@ TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row c
 # A variant, off until the GPU has timed it (scripts/gpu_decoder.py --variants): the tap products write their
 # product channel-major, [O, grid], and finish_planar streams it into the output without a transpose
 TAP_PLANAR = False
+# Another such variant, TAP_ROWS: the three taps of a kernel row in one product (K = 9 P, three products, not
+# nine): each grid pixel's row of the split image holds the pixel and its two right neighbours (split_image
+# row3), the weight [k, O', 3 k P] (tap_row_weights), so the float32 product is read back and rewritten three
+# times rather than nine
+TAP_ROWS = False
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
 
@@ -270,7 +275,7 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_split_image(control, up, norm=False, triple=False):
+def _make_split_image(control, up, norm=False, triple=False, row3=False):
     """The split image of a conv's input (conv.split_image): up: the input is the nearest-2x upsampling of x
     (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats; triple:
     each pixel holds [hi | lo | hi] (the taps' layout), else [hi | lo].
@@ -282,7 +287,7 @@ def _make_split_image(control, up, norm=False, triple=False):
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
-    @jit(launch_bounds=(SPLIT_PX * ROWS, 4))    # four blocks an SM (at most 64 registers)
+    @jit(launch_bounds=(SPLIT_PX * ROWS, 3 if row3 else 4))    # four blocks an SM (64 registers; row3: three)
     def split_image(x, flat, peak, words, rows, width, r0, half, stats, gw, gb, pad):
         """words = the image [rows (W + 2 pad), parts P] fp16 bits as 4-byte words: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2), and with triple words
@@ -295,7 +300,7 @@ def _make_split_image(control, up, norm=False, triple=False):
         c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
         span_px = width + 2 * pad                    # pixels of an image row
-        pixel_words = 3 * half if triple else 2 * half
+        pixel_words = 9 * half if row3 else 3 * half if triple else 2 * half
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c0 = cuda.blockIdx.y * SPLIT_CH
         per_row = (span_px + SPLIT_PX - 1) // SPLIT_PX
@@ -341,17 +346,26 @@ def _make_split_image(control, up, norm=False, triple=False):
             # a warp writes one pixel's word pairs (tx along them), the block's rows the tile's pixels
             for px in range(ty, SPLIT_PX, ROWS):
                 if x0 + px < span_px:
-                    at = (i * span_px + x0 + px) * pixel_words + c0 // 2
+                    q = i * span_px + x0 + px
+                    at = q * pixel_words + c0 // 2
                     for pr in range(tx, span, SPLIT_PX):
                         lo_pair, hi_pair = uint32(0), uint32(0)
                         if pr < pairs:
                             a, b = sh[U(2 * pr), U(px)], sh[U(2 * pr + 1), U(px)]
                             hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
                             lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
-                        words[U(at + pr)] = hi_pair
-                        words[U(at + half + pr)] = lo_pair
-                        if triple:
-                            words[U(at + 2 * half + pr)] = hi_pair
+                        if row3:
+                            for slot in range(3):    # pixel q is part `slot` of grid pixel q - slot's row
+                                if q >= slot:
+                                    to = at - slot * (pixel_words - 3 * half)
+                                    words[U(to + pr)] = hi_pair
+                                    words[U(to + half + pr)] = lo_pair
+                                    words[U(to + 2 * half + pr)] = hi_pair
+                        else:
+                            words[U(at + pr)] = hi_pair
+                            words[U(at + half + pr)] = lo_pair
+                            if triple:
+                                words[U(at + 2 * half + pr)] = hi_pair
     return split_image
 
 
@@ -560,20 +574,22 @@ def chunk_rows(c_in, width):
     return max(1, COLUMN_BYTES // (split_width(c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False):
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False, row3=False):
     """image [rows W', parts P] fp16 bits: the split input of each pixel of input rows r0.. of a conv over x
     [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
     silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero. [hi | lo] per pixel
     (parts = 2, W' = W, P = part(C)), or with triple the taps' layout: [hi | lo | hi] (parts = 3, P =
-    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding)."""
+    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding); row3 (TAP_ROWS): the taps'
+    layout with each grid pixel's row holding that pixel and the next two, [q | q + 1 | q + 2] (parts = 9; the
+    last two grid pixels' rows only in part)."""
     width = 2 * x.shape[2] if up else x.shape[2]
-    parts, pad = (3, 1) if triple else (2, 0)
+    parts, pad = (9, 1) if row3 else (3, 1) if triple else (2, 0)
     span = width + 2 * pad
     rows, p = image.shape[0] // span, image.shape[1] // parts
     tiles = rows * -(-span // SPLIT_PX)
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
-    _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
+    _make_split_image(control, up, norm is not None, triple or row3, row3)[grid, (SPLIT_PX, ROWS), stream](
         x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
         stats, w, b, pad)
 
@@ -738,8 +754,27 @@ class HalfProduct:
             else:
                 self._matmul(plan, a_at, w_at, t > 0, d, stream)
 
+    def row_taps(self, image, w, d, span, stream=0, rows=None):
+        """d = the tap product of a row3 image [pixels, 3 k P] and w [k, N, 3 k P] (tap_row_weights): one
+        product a kernel row dy (its K sliced as __call__ slices any K), image rows from dy span; rows as in taps
+        (d channel-major)."""
+        from .gemm import pointer
+        k, n, kp = w.shape
+        m = d.shape[0] if rows is None else rows
+        first = True
+        for dy in range(k):
+            for k0, kk in slices(kp):
+                plan = self._plan(m, n, kk, kp, kp, align=16, ldd=None if rows is None else d.shape[1])
+                w_at, a_at = pointer(w) + 2 * (dy * n * kp + k0), pointer(image) + 2 * (dy * span * kp + k0)
+                if rows is None:
+                    self._matmul(plan, w_at, a_at, not first, d, stream)
+                else:
+                    self._matmul(plan, a_at, w_at, not first, d, stream)
+                first = False
+
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
+
 
 
 def slices(k):
@@ -791,6 +826,37 @@ def tap_product(image, w, d, span, stream=0, rows=None):
     _product.taps(image, w, d, span, stream, rows)
 
 
+def tap_row_product(image, w, d, span, stream=0, rows=None):
+    """tap_product of a row3 image (split_image row3: [q | q + 1 | q + 2] a grid pixel, each [hi | lo | hi]) and
+    tap_row_weights: d [M, N] (or with rows, channel-major [N, ld]) = the sum over the kernel rows dy of
+    image[m + dy span] . w[dy] over its 3 k P columns. In the simulator (no cuBLAS): on the host in float64."""
+    global _product
+    if SIMULATED:
+        av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
+        m = d.shape[0] if rows is None else rows
+        got = sum(av[dy * span:dy * span + m] @ wv[dy].T for dy in range(wv.shape[0])).astype(np.float32)
+        if rows is None:
+            d[:] = got
+        else:
+            d[:, :m] = np.ascontiguousarray(got.T)
+        return
+    if _product is None:
+        _product = HalfProduct()
+    _product.row_taps(image, w, d, span, stream, rows)
+
+
+def tap_row_weights(w, reversed_rows=False):
+    """tap_weights [k k, O', 3 P] as the row3 products' right operands: [k, O', 3 k P], row dy of output o the
+    taps (dy, 0), .., (dy, k - 1) side by side; and the peak. reversed_rows: each row's taps in reverse order
+    (the contract's planted layout bug)."""
+    taps, peak = tap_weights(w)
+    k = int(round(math.sqrt(taps.shape[0])))
+    t = taps.reshape(k, k, taps.shape[1], taps.shape[2])
+    if reversed_rows:
+        t = t[:, ::-1]
+    return np.ascontiguousarray(t.transpose(0, 2, 1, 3).reshape(k, taps.shape[1], k * taps.shape[2])), peak
+
+
 def tap_part(c):
     """Columns of one part of the taps' layout: C rounded up to 8 (a pixel's 3 parts fill whole 16 bytes)."""
     return -(-c // 8) * 8
@@ -811,10 +877,10 @@ def tap_weights(w):
     return out, np.float32(peak)
 
 
-def tap_rows(c_in, o, width):
+def tap_rows(c_in, o, width, row3=False):
     """Output rows per chunk of a tap conv: as many as keep the chunk's split image and product within
-    TAP_BYTES, which the product's nine passes then find in L2."""
-    per_row = (width + 2) * (3 * tap_part(c_in) * 2 + product_rows(o) * 4)
+    TAP_BYTES, which the product's nine passes (row3: three) then find in L2."""
+    per_row = (width + 2) * ((9 if row3 else 3) * tap_part(c_in) * 2 + product_rows(o) * 4)
     return max(1, TAP_BYTES // per_row - 2)
 
 
@@ -916,7 +982,7 @@ def _ref_split(inp):
         np.concatenate([split, split, (2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38).ravel(), zeros])
 
 
-def _make_conv(taps, up, planar=False):
+def _make_conv(taps, up, planar=False, row3=False):
     def make(rng, size):
         c, o, h, w = (5, 3, 3, 4) if size == "tiny" else (384, 384, 128, 128)
         if up:
@@ -924,7 +990,7 @@ def _make_conv(taps, up, planar=False):
         x = rng.standard_normal((c, h, w)).astype(np.float32) * 3
         wt = (rng.standard_normal((o, c, taps, taps)) / math.sqrt(c * taps * taps)).astype(np.float32)
         return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up,
-                "planar": planar}
+                "planar": planar, "row3": row3}
     return make
 
 
@@ -942,11 +1008,15 @@ def _run_conv(inp, control):
     """A conv as CudaOps runs it, chunk by chunk (two rows a chunk in the tiny case), finish into [O, H, W]: a 1x1
     conv through its columns (its split image [hi | lo]) and one split product; a k x k conv as tap products (the
     split image in the taps' layout, a product a tap); with "gw" in inp, over silu(group_norm(x)) made in the
-    peak's and the split's reads; with "planar", the tap product channel-major and finish_planar (TAP_PLANAR).
-    control: the split's lo parts zero (planar: finish_planar's bias[0] for every channel)."""
+    peak's and the split's reads; with "planar", the tap product channel-major and finish_planar (TAP_PLANAR);
+    with "row3", a kernel row's taps in one product (TAP_ROWS). control: the split's lo parts zero (planar:
+    finish_planar's bias[0] for every channel; row3: the weight's taps of a row in reverse order)."""
     x = cuda.to_device(inp["x"])
-    taps, up = inp["taps"], inp["up"]
-    wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
+    taps, up, row3 = inp["taps"], inp["up"], bool(inp.get("row3"))
+    if row3:
+        wm, wpeak = tap_row_weights(inp["w"], reversed_rows=bool(control))
+    else:
+        wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
     w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
     c, h, wd = x.shape
     h, wd = (2 * h, 2 * wd) if up else (h, wd)
@@ -958,9 +1028,9 @@ def _run_conv(inp, control):
         partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
         norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
     absmax(x, peak, norm)
-    rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd))
+    rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd, row3))
     planar = bool(inp.get("planar"))
-    lo_zero = bool(control) and not planar
+    lo_zero = bool(control) and not planar and not row3
     for r0 in range(0, h, rows):
         n = min(rows, h - r0)
         if taps == 1:
@@ -971,14 +1041,14 @@ def _run_conv(inp, control):
             finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
         else:
             image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))
-            split_image(x, peak, image, r0 - taps // 2, up, norm, control=lo_zero, triple=True)
+            split_image(x, peak, image, r0 - taps // 2, up, norm, control=lo_zero, triple=True, row3=row3)
             if planar:
                 d = cuda.device_array((wm.shape[1], -(-n * span // 4) * 4), np.float32)
                 tap_product(image, w, d, span, rows=n * span - 2)
                 finish_planar(d, peak, peak_w, bias, out, r0 * wd, wd, span, n, control=bool(control))
             else:
                 d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
-                tap_product(image, w, d, span)
+                (tap_row_product if row3 else tap_product)(image, w, d, span)
                 finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
     return out.copy_to_host().reshape(o, h, wd)
 
@@ -1143,6 +1213,9 @@ CASES = [
     Case("conv3x3_taps_planar", _make_conv(3, False, planar=True), _run_conv, _ref_conv,
          notes="the variant TAP_PLANAR: the tap product channel-major, finish_planar; control: finish_planar's "
                "bias[0] for every channel"),
+    Case("conv3x3_taps_rows", _make_conv(3, False, row3=True), _run_conv, _ref_conv,
+         notes="the variant TAP_ROWS: a kernel row's taps in one product; control: each row's taps reversed in "
+               "the weight"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("finish_planar", _make_finish_planar_inputs, _run_finish_planar, _ref_finish_planar,
          notes="control: bias[0] for every channel"),

@@ -77,8 +77,8 @@ def ours_ms(dec, latents, calls):
 
 def variants_ms(tensors, latents, calls, pixels):
     """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product), and with
-    the channel-major tap products (conv.TAP_PLANAR) at the default size, with the count of its uint8 values
-    that differ from the default decode's `pixels`."""
+    the tap conv variants (conv.TAP_PLANAR, conv.TAP_ROWS, both) at the default size, each with the count of its
+    uint8 values that differ from the default decode's `pixels`."""
     import gc
     from cuda_kernels import conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
@@ -88,14 +88,16 @@ def variants_ms(tensors, latents, calls, pixels):
         out[f"taps_{mb}MB"] = ours_ms(CudaDecoder(tensors, SMALL), latents, calls)
         gc.collect()
     conv.TAP_BYTES = kept
-    conv.TAP_PLANAR = True
-    try:
-        dec = CudaDecoder(tensors, SMALL)
-        out["taps_planar"] = ours_ms(dec, latents, calls)
-        out["taps_planar_values_differing"] = int(np.count_nonzero(dec.decode(latents) != pixels))
-    finally:
-        conv.TAP_PLANAR = False
-    gc.collect()
+    for name, planar, rows in (("planar", True, False), ("rows", False, True), ("rows_planar", True, True)):
+        conv.TAP_PLANAR, conv.TAP_ROWS, dec = planar, rows, None
+        try:
+            dec = CudaDecoder(tensors, SMALL)
+            out[f"taps_{name}"] = ours_ms(dec, latents, calls)
+            out[f"taps_{name}_values_differing"] = int(np.count_nonzero(dec.decode(latents) != pixels))
+        finally:
+            conv.TAP_PLANAR, conv.TAP_ROWS = False, False
+        del dec
+        gc.collect()
     print("variants (ms): " + json.dumps(out), flush=True)
     return out
 

@@ -54,11 +54,13 @@ class ConvCudaOps:
     def _split_weight(self, w, taps=False):
         """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
         [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight; taps: the
-        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights)."""
-        key = ("tap_weights" if taps else "weight_matrix", id(w))
+        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights); taps="rows": the row3 products'
+        [k, product_rows(O), 3 k tap_part(C)] (conv.tap_row_weights)."""
+        make = conv.tap_row_weights if taps == "rows" else conv.tap_weights if taps else conv.weight_matrix
+        key = (make.__name__, id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
+            bits, peak = make(w.copy_to_host())
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
@@ -99,13 +101,16 @@ class ConvCudaOps:
         taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
         tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
         conv.TAP_BYTES, so the taps after the first find both in L2. With conv.TAP_PLANAR (a variant) d is
-        channel-major and conv.finish_planar streams it out."""
+        channel-major and conv.finish_planar streams it out; with conv.TAP_ROWS (another) a kernel row's taps
+        are one product (split_image row3, conv.tap_row_product)."""
         o, h, width = shape
         taps, span = w.shape[2], width + 2
-        weight, peak_w = self._split_weight(w, taps=True)
+        row3 = conv.TAP_ROWS
+        weight, peak_w = self._split_weight(w, taps="rows" if row3 else True)
+        product = conv.tap_row_product if row3 else conv.tap_product
         peak = self._peak(src, norm)
         out = self.new(shape)
-        rows = min(h, conv.tap_rows(src.shape[0], o, width))
+        rows = min(h, conv.tap_rows(src.shape[0], o, width, row3))
         image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
         planar = conv.TAP_PLANAR
         if planar:      # channel-major [O', ld]: each channel's row 16-byte aligned
@@ -118,13 +123,13 @@ class ConvCudaOps:
             n = min(rows, h - r0)
             m = n * span - 2                        # the last row's two columns past the image are not computed
             conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 - taps // 2, up, norm,
-                             stream=self.stream, triple=True)
+                             stream=self.stream, triple=True, row3=row3)
             if planar:
-                conv.tap_product(image, weight, d, span, stream=self.stream, rows=m)
+                product(image, weight, d, span, stream=self.stream, rows=m)
                 conv.finish_planar(d, peak, peak_w, b, flat, r0 * width, width, span, n, residual=res,
                                    stream=self.stream)
             else:
-                conv.tap_product(image, weight, d[:m], span, stream=self.stream)
+                product(image, weight, d[:m], span, stream=self.stream)
                 conv.finish(d[:m, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                             stream=self.stream, span=span)
         return out
