@@ -792,15 +792,28 @@ _product = None
 def half_product(a, w, d, stream=0):
     """d [M, N] float32 = the split product of a [M, 2P] and w [N, 3P] fp16 bits (`segments`). In the
     simulator (no cuBLAS): on the host in float64."""
-    global _product
     if SIMULATED:
         av, wv = half_value(a.copy_to_host()), half_value(w.copy_to_host())
         d[:] = sum(av[:, a0:a0 + k] @ wv[:, w0:w0 + k].T for a0, w0, k in segments(av.shape[1], wv.shape[1]))\
             .astype(np.float32)
         return
+    _blas_product()(a, w, d, stream)
+
+
+def _blas_product():
+    """The process's HalfProduct (its plans kept), made on the first product."""
+    global _product
     if _product is None:
         _product = HalfProduct()
-    _product(a, w, d, stream)
+    return _product
+
+
+def _host_result(d, got, rows):
+    """A simulated product's host result [M, N] into d, or with rows into the channel-major d[:, :M]."""
+    if rows is None:
+        d[:] = got
+    else:
+        d[:, :rows] = np.ascontiguousarray(got.T)
 
 
 def tap_product(image, w, d, span, stream=0, rows=None):
@@ -810,39 +823,27 @@ def tap_product(image, w, d, span, stream=0, rows=None):
     row m // span, column m % span (the last two columns of each row are not the image's). rows: d is
     channel-major instead, d[n, m] for m < M = rows ([N, ld], ld >= M a multiple of 4; TAP_PLANAR). In the
     simulator (no cuBLAS): on the host in float64."""
-    global _product
     if SIMULATED:
         av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
         side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0] if rows is None else rows
         got = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
                   for dy in range(side) for dx in range(side)).astype(np.float32)
-        if rows is None:
-            d[:] = got
-        else:
-            d[:, :m] = np.ascontiguousarray(got.T)
+        _host_result(d, got, rows)
         return
-    if _product is None:
-        _product = HalfProduct()
-    _product.taps(image, w, d, span, stream, rows)
+    _blas_product().taps(image, w, d, span, stream, rows)
 
 
 def tap_row_product(image, w, d, span, stream=0, rows=None):
     """tap_product of a row3 image (split_image row3: [q | q + 1 | q + 2] a grid pixel, each [hi | lo | hi]) and
     tap_row_weights: d [M, N] (or with rows, channel-major [N, ld]) = the sum over the kernel rows dy of
     image[m + dy span] . w[dy] over its 3 k P columns. In the simulator (no cuBLAS): on the host in float64."""
-    global _product
     if SIMULATED:
         av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
         m = d.shape[0] if rows is None else rows
         got = sum(av[dy * span:dy * span + m] @ wv[dy].T for dy in range(wv.shape[0])).astype(np.float32)
-        if rows is None:
-            d[:] = got
-        else:
-            d[:, :m] = np.ascontiguousarray(got.T)
+        _host_result(d, got, rows)
         return
-    if _product is None:
-        _product = HalfProduct()
-    _product.row_taps(image, w, d, span, stream, rows)
+    _blas_product().row_taps(image, w, d, span, stream, rows)
 
 
 def tap_row_weights(w, reversed_rows=False):

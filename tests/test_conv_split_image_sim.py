@@ -6,14 +6,9 @@ variant; all but the last two grid pixels, whose rows are only in part); a 1x1 c
 of C rounded up to 128); the 2x upsampling read through. The planted control (lo written as zero) must
 differ."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sim_util import simulated_lines
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
 
 SCRIPT = r'''
@@ -66,11 +61,7 @@ for c, up in ((8, False), (5, False), (12, True)):
 
 @pytest.fixture(scope="module")
 def lines():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return simulated_lines(SCRIPT)
 
 
 def test_split_images_equal_numpy_float16_images_bit_for_bit(lines):

@@ -6,14 +6,9 @@ product over the row3 split image) and both; with a bias and a residual, over si
 and to the numpy table. Planted controls must differ: finish_planar's bias[0] for every channel, and the row3
 weights' taps of a row in reverse order."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sim_util import simulated_lines
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
 
 SCRIPT = r'''
@@ -64,11 +59,7 @@ for kind in ("plain", "norm", "up"):
 
 @pytest.fixture(scope="module")
 def lines():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return simulated_lines(SCRIPT)
 
 
 def test_tap_conv_variants_equal_the_default_bit_for_bit(lines):
