@@ -710,18 +710,19 @@ class HalfProduct:
             found = self.blas._heuristic(desc, *layouts, 1, align)
             if len(found) == 0:
                 raise RuntimeError(f"cuBLASLt has no fp16 algorithm for M={m} N={n} K={k}")
-            plan = self._plans[key] = (desc, layouts, found)
+            plan = self._plans[key] = (desc, layouts, found, ldd is not None)
         return plan
 
     def _matmul(self, plan, w_at, a_at, add, d, stream):
         """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1.
-        For a channel-major plan (ldd), w_at and a_at are given swapped: cuBLAS's A first."""
+        A channel-major plan (ldd) takes the operands in the other order: cuBLAS's A is then the image."""
         from .gemm import WORKSPACE, _row, pointer, stream_handle
-        desc, (lw, la, ld), found = plan
+        desc, (first, second, ld), found, swapped = plan
+        first_at, second_at = (a_at, w_at) if swapped else (w_at, a_at)
         beta = self._one if add else self._zero
-        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, w_at, lw, a_at, la, beta.ctypes.data,
-                       pointer(d), ld, pointer(d), ld, _row(found, 0), pointer(self.blas.workspace), WORKSPACE,
-                       stream_handle(stream))
+        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, first_at, first, second_at, second,
+                       beta.ctypes.data, pointer(d), ld, pointer(d), ld, _row(found, 0), pointer(self.blas.workspace),
+                       WORKSPACE, stream_handle(stream))
 
     def __call__(self, a, w, d, stream=0):
         from .gemm import pointer
@@ -734,43 +735,33 @@ class HalfProduct:
                              not first, d, stream)
                 first = False
 
+    def _shifted(self, image, w, d, ld, parts, stream, rows):
+        """d = the sum over parts (w0, a0, k) of image[a0 + m .. + k] . w[w0 + n .. + k] in elements, image rows
+        and w rows both ld apart (16-byte aligned rows: the heuristic is told), the parts summed into d by
+        cuBLAS (beta = 1 from the second on); rows: d is channel-major, [N, ld'] of M = rows grid rows."""
+        from .gemm import pointer
+        n = w.shape[1]
+        m, ldd = (d.shape[0], None) if rows is None else (rows, d.shape[1])
+        for i, (w0, a0, k) in enumerate(parts):
+            self._matmul(self._plan(m, n, k, ld, ld, align=16, ldd=ldd), pointer(w) + 2 * w0, pointer(image) + 2 * a0,
+                         i > 0, d, stream)
+
     def taps(self, image, w, d, span, stream=0, rows=None):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
-        product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
-        taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
-        under SLICE_K. rows: d is channel-major, [N, ld] of M = rows grid rows (ld a multiple of 4)."""
-        from .gemm import pointer
-        (count, n, p3) = w.shape
+        product a tap, image rows from the tap's pixel offset; K = 3P is at most 3 tap_part(384), well under
+        SLICE_K. rows: d is channel-major, [N, ld] of M = rows grid rows (ld a multiple of 4)."""
+        count, n, p3 = w.shape
         side = int(round(math.sqrt(count)))
-        if rows is None:
-            plan = self._plan(d.shape[0], n, p3, p3, p3, align=16)
-        else:
-            plan = self._plan(rows, n, p3, p3, p3, align=16, ldd=d.shape[1])
-        for t in range(count):
-            dy, dx = divmod(t, side)
-            w_at, a_at = pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3
-            if rows is None:
-                self._matmul(plan, w_at, a_at, t > 0, d, stream)
-            else:
-                self._matmul(plan, a_at, w_at, t > 0, d, stream)
+        parts = [(t * n * p3, (t // side * span + t % side) * p3, p3) for t in range(count)]
+        self._shifted(image, w, d, p3, parts, stream, rows)
 
     def row_taps(self, image, w, d, span, stream=0, rows=None):
         """d = the tap product of a row3 image [pixels, 3 k P] and w [k, N, 3 k P] (tap_row_weights): one
         product a kernel row dy (its K sliced as __call__ slices any K), image rows from dy span; rows as in taps
         (d channel-major)."""
-        from .gemm import pointer
         k, n, kp = w.shape
-        m = d.shape[0] if rows is None else rows
-        first = True
-        for dy in range(k):
-            for k0, kk in slices(kp):
-                plan = self._plan(m, n, kk, kp, kp, align=16, ldd=None if rows is None else d.shape[1])
-                w_at, a_at = pointer(w) + 2 * (dy * n * kp + k0), pointer(image) + 2 * (dy * span * kp + k0)
-                if rows is None:
-                    self._matmul(plan, w_at, a_at, not first, d, stream)
-                else:
-                    self._matmul(plan, a_at, w_at, not first, d, stream)
-                first = False
+        parts = [(dy * n * kp + k0, dy * span * kp + k0, kk) for dy in range(k) for k0, kk in slices(kp)]
+        self._shifted(image, w, d, kp, parts, stream, rows)
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
