@@ -64,7 +64,7 @@ def _raw_error(decoder, latents, ref):
     return np.abs(got - ref).max() / np.abs(ref).max()
 
 
-RAW_GATE = 4e-6         # measured 7.9e-7 (H100, 95dc198); the numpy float32 decode is 7.5e-7 from float64 here
+RAW_GATE = 4e-6         # measured 7.9e-7 (H100, d0ea776); the numpy float32 decode is 7.5e-7 from float64 here
 
 
 def test_decoder_raw_output_is_float32_accurate(component, decoder, monkeypatch):
