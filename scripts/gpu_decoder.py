@@ -179,7 +179,7 @@ def main(argv=None):
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
     parser.add_argument("--variants", action="store_true",
-                        help="also time other tap conv chunk sizes, at the first size")
+                        help="also time other tap conv chunk sizes and the tap conv variants, at the first size")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
