@@ -37,14 +37,6 @@ DEVICE_COLUMN_BYTES = 192 << 20         # the columns of one chunk of pixel rows
 DEVICE_TAP_BYTES = 32 << 20             # a tap conv chunk's split image and product (24, 32, 40, 48 MB: 112.2, 103.1,
                                         # 102.1, 115.0 ms a 1024 decode, results/h100/decoder-b06418a.json)
 TAP_BYTES = 2048 if SIMULATED else DEVICE_TAP_BYTES                  # two-row chunks of the simulator's images
-# A variant, off until the GPU has timed it (scripts/gpu_decoder.py --variants): the tap products write their
-# product channel-major, [O, grid], and finish_planar streams it into the output without a transpose
-TAP_PLANAR = False
-# Another such variant, TAP_ROWS: the three taps of a kernel row in one product (K = 9 P, three products, not
-# nine): each grid pixel's row of the split image holds the pixel and its two right neighbours (split_image
-# row3), the weight [k, O', 3 k P] (tap_row_weights), so the float32 product is read back and rewritten three
-# times rather than nine
-TAP_ROWS = False
 COLUMN_BYTES = 4 << 20 if SIMULATED else DEVICE_COLUMN_BYTES
 
 
@@ -275,7 +267,7 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_split_image(control, up, norm=False, triple=False, row3=False):
+def _make_split_image(control, up, norm=False, triple=False):
     """The split image of a conv's input (conv.split_image): up: the input is the nearest-2x upsampling of x
     (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats; triple:
     each pixel holds [hi | lo | hi] (the taps' layout), else [hi | lo].
@@ -287,7 +279,7 @@ def _make_split_image(control, up, norm=False, triple=False, row3=False):
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
 
-    @jit(launch_bounds=(SPLIT_PX * ROWS, 3 if row3 else 4))    # four blocks an SM (64 registers; row3: three)
+    @jit(launch_bounds=(SPLIT_PX * ROWS, 4))    # four blocks an SM (at most 64 registers)
     def split_image(x, flat, peak, words, rows, width, r0, half, stats, gw, gb, pad):
         """words = the image [rows (W + 2 pad), parts P] fp16 bits as 4-byte words: pixel q's words [0, half)
         hold hi of channels (2 j, 2 j + 1), words [half, 2 half) their lo (half = P / 2), and with triple words
@@ -300,7 +292,7 @@ def _make_split_image(control, up, norm=False, triple=False, row3=False):
         c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
         span_px = width + 2 * pad                    # pixels of an image row
-        pixel_words = 9 * half if row3 else 3 * half if triple else 2 * half
+        pixel_words = 3 * half if triple else 2 * half
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
         c0 = cuda.blockIdx.y * SPLIT_CH
         per_row = (span_px + SPLIT_PX - 1) // SPLIT_PX
@@ -346,26 +338,17 @@ def _make_split_image(control, up, norm=False, triple=False, row3=False):
             # a warp writes one pixel's word pairs (tx along them), the block's rows the tile's pixels
             for px in range(ty, SPLIT_PX, ROWS):
                 if x0 + px < span_px:
-                    q = i * span_px + x0 + px
-                    at = q * pixel_words + c0 // 2
+                    at = (i * span_px + x0 + px) * pixel_words + c0 // 2
                     for pr in range(tx, span, SPLIT_PX):
                         lo_pair, hi_pair = uint32(0), uint32(0)
                         if pr < pairs:
                             a, b = sh[U(2 * pr), U(px)], sh[U(2 * pr + 1), U(px)]
                             hi_pair = (a & uint32(0xFFFF)) | (b << uint32(16))
                             lo_pair = (a >> uint32(16)) | (b & uint32(0xFFFF0000))
-                        if row3:
-                            for slot in range(3):    # pixel q is part `slot` of grid pixel q - slot's row
-                                if q >= slot:
-                                    to = at - slot * (pixel_words - 3 * half)
-                                    words[U(to + pr)] = hi_pair
-                                    words[U(to + half + pr)] = lo_pair
-                                    words[U(to + 2 * half + pr)] = hi_pair
-                        else:
-                            words[U(at + pr)] = hi_pair
-                            words[U(at + half + pr)] = lo_pair
-                            if triple:
-                                words[U(at + 2 * half + pr)] = hi_pair
+                        words[U(at + pr)] = hi_pair
+                        words[U(at + half + pr)] = lo_pair
+                        if triple:
+                            words[U(at + 2 * half + pr)] = hi_pair
     return split_image
 
 
@@ -413,32 +396,6 @@ def _make_finish(control):
                         v += res[U(m), U(n)]
                     out[U(m), U(n)] = v
     return finish
-
-
-def _make_finish_planar(control):
-    @jit
-    def finish_planar(d, peak_a, peak_w, bias, res, out, offset, width, span, rows):
-        """out[n, offset + r W + c] = d[n, r span + c] / (scale_a scale_w) + bias[n] (+ res, added last) for the
-        first `rows` rows of the taps' grid (rows of span = W + 2 pixels; c < W = width) of a channel-major tap
-        product d [N', M]: block (x, y) takes grid rows x, x + gridDim.x, .. of output channel y, its threads
-        a row's columns (coalesced on both sides); the same arithmetic as finish."""
-        n = cuda.blockIdx.y
-        if n >= out.shape[0]:
-            return
-        inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
-        b = float32(0.0)
-        if bias.size > 0:
-            b = bias[U(n)] if not control else bias[0]
-        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-            src, dst = r * span, offset + r * width
-            for c in range(cuda.threadIdx.x, width, cuda.blockDim.x):
-                v = d[U(n), U(src + c)] * inv
-                if bias.size > 0:
-                    v += b
-                if res.size > 0:
-                    v += res[U(n), U(dst + c)]
-                out[U(n), U(dst + c)] = v
-    return finish_planar
 
 
 def _make_gn_sums(control):
@@ -537,7 +494,6 @@ _zero = _make_zero()
 _absmax = {(c, n): _make_absmax(c, n) for c in (False, True) for n in (False, True)}
 _split_rows = {c: _make_split_rows(c) for c in (False, True)}
 _finish = {c: _make_finish(c) for c in (False, True)}
-_finish_planar = {c: _make_finish_planar(c) for c in (False, True)}
 _gn_sums = {c: _make_gn_sums(c) for c in (False, True)}
 _gn_stats = _make_gn_stats()
 _gn_apply = _make_gn_apply()
@@ -574,22 +530,20 @@ def chunk_rows(c_in, width):
     return max(1, COLUMN_BYTES // (split_width(c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False, row3=False):
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False):
     """image [rows W', parts P] fp16 bits: the split input of each pixel of input rows r0.. of a conv over x
     [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
     silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero. [hi | lo] per pixel
     (parts = 2, W' = W, P = part(C)), or with triple the taps' layout: [hi | lo | hi] (parts = 3, P =
-    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding); row3 (TAP_ROWS): the taps'
-    layout with each grid pixel's row holding that pixel and the next two, [q | q + 1 | q + 2] (parts = 9; the
-    last two grid pixels' rows only in part)."""
+    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding)."""
     width = 2 * x.shape[2] if up else x.shape[2]
-    parts, pad = (9, 1) if row3 else (3, 1) if triple else (2, 0)
+    parts, pad = (3, 1) if triple else (2, 0)
     span = width + 2 * pad
     rows, p = image.shape[0] // span, image.shape[1] // parts
     tiles = rows * -(-span // SPLIT_PX)
     grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
-    _make_split_image(control, up, norm is not None, triple or row3, row3)[grid, (SPLIT_PX, ROWS), stream](
+    _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
         x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
         stats, w, b, pad)
 
@@ -607,17 +561,6 @@ def finish(d, peak_a, peak_w, bias, out, offset=0, channels=False, residual=None
     grid = (-(-d.shape[0] // TILE), -(-d.shape[1] // TILE))
     _finish[control][grid, (TILE, ROWS), stream](d, peak_a, peak_w, bias, residual, out, int(offset),
                                                  bool(channels), int(span))
-
-
-def finish_planar(d, peak_a, peak_w, bias, out, offset, width, span, rows, residual=None, stream=0, control=False):
-    """out [O, total] from a channel-major tap product d [product_rows(O), M] of `rows` output rows (see the
-    kernel); bias None or [O]; residual None or shaped as out."""
-    bias = _empty(1) if bias is None else bias
-    residual = _empty(2) if residual is None else residual.reshape(out.shape)
-    grid = (max(1, min(rows, 2 if SIMULATED else 64)), out.shape[0])
-    threads = 32 if SIMULATED else 256
-    _finish_planar[control][grid, threads, stream](d, peak_a, peak_w, bias, residual, out, int(offset), int(width),
-                                                   int(span), int(rows))
 
 
 def _empty(ndim):
@@ -691,38 +634,31 @@ class HalfProduct:
         self._one = np.array([1.0], np.float32)
         self._zero = np.array([0.0], np.float32)
 
-    def _plan(self, m, n, k, lda, ldw, align=None, ldd=None):
-        """ldd: the product channel-major, D [N, ldd] (the operands' roles swapped: the image is cuBLAS's A)."""
+    def _plan(self, m, n, k, lda, ldw, align=None):
         from .gemm import COMPUTE_32F, OP_N, OP_T, _set
-        key = (m, n, k, lda, ldw, align, ldd)
+        key = (m, n, k, lda, ldw, align)
         plan = self._plans.get(key)
         if plan is None:
             lt, A = self.lt, self.lt.MatmulDescAttribute
             desc = lt.matmul_desc_create(COMPUTE_32F, R_32F)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSA, OP_T, np.int32)
             _set(lt.matmul_desc_set_attribute, desc, A.TRANSB, OP_N, np.int32)
-            if ldd is None:
-                layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
-                           lt.matrix_layout_create(R_32F, n, m, n))
-            else:
-                layouts = (lt.matrix_layout_create(R_16F, k, m, lda), lt.matrix_layout_create(R_16F, k, n, ldw),
-                           lt.matrix_layout_create(R_32F, m, n, ldd))
+            layouts = (lt.matrix_layout_create(R_16F, k, n, ldw), lt.matrix_layout_create(R_16F, k, m, lda),
+                       lt.matrix_layout_create(R_32F, n, m, n))
             found = self.blas._heuristic(desc, *layouts, 1, align)
             if len(found) == 0:
                 raise RuntimeError(f"cuBLASLt has no fp16 algorithm for M={m} N={n} K={k}")
-            plan = self._plans[key] = (desc, layouts, found, ldd is not None)
+            plan = self._plans[key] = (desc, layouts, found)
         return plan
 
     def _matmul(self, plan, w_at, a_at, add, d, stream):
-        """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1.
-        A channel-major plan (ldd) takes the operands in the other order: cuBLAS's A is then the image."""
+        """d (+)= the fp16 rows at a_at . those at w_at^T (device addresses) by a plan of _plan; add: beta = 1."""
         from .gemm import WORKSPACE, _row, pointer, stream_handle
-        desc, (first, second, ld), found, swapped = plan
-        first_at, second_at = (a_at, w_at) if swapped else (w_at, a_at)
+        desc, (lw, la, ld), found = plan
         beta = self._one if add else self._zero
-        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, first_at, first, second_at, second,
-                       beta.ctypes.data, pointer(d), ld, pointer(d), ld, _row(found, 0), pointer(self.blas.workspace),
-                       WORKSPACE, stream_handle(stream))
+        self.lt.matmul(self.blas.lt_handle, desc, self._one.ctypes.data, w_at, lw, a_at, la, beta.ctypes.data,
+                       pointer(d), ld, pointer(d), ld, _row(found, 0), pointer(self.blas.workspace), WORKSPACE,
+                       stream_handle(stream))
 
     def __call__(self, a, w, d, stream=0):
         from .gemm import pointer
@@ -735,37 +671,22 @@ class HalfProduct:
                              not first, d, stream)
                 first = False
 
-    def _shifted(self, image, w, d, ld, parts, stream, rows):
-        """d = the sum over parts (w0, a0, k) of image[a0 + m .. + k] . w[w0 + n .. + k] in elements, image rows
-        and w rows both ld apart (16-byte aligned rows: the heuristic is told), the parts summed into d by
-        cuBLAS (beta = 1 from the second on); rows: d is channel-major, [N, ld'] of M = rows grid rows."""
-        from .gemm import pointer
-        n = w.shape[1]
-        m, ldd = (d.shape[0], None) if rows is None else (rows, d.shape[1])
-        for i, (w0, a0, k) in enumerate(parts):
-            self._matmul(self._plan(m, n, k, ld, ld, align=16, ldd=ldd), pointer(w) + 2 * w0, pointer(image) + 2 * a0,
-                         i > 0, d, stream)
-
-    def taps(self, image, w, d, span, stream=0, rows=None):
+    def taps(self, image, w, d, span, stream=0):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
-        product a tap, image rows from the tap's pixel offset; K = 3P is at most 3 tap_part(384), well under
-        SLICE_K. rows: d is channel-major, [N, ld] of M = rows grid rows (ld a multiple of 4)."""
-        count, n, p3 = w.shape
+        product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
+        taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
+        under SLICE_K."""
+        from .gemm import pointer
+        m, (count, n, p3) = d.shape[0], w.shape
         side = int(round(math.sqrt(count)))
-        parts = [(t * n * p3, (t // side * span + t % side) * p3, p3) for t in range(count)]
-        self._shifted(image, w, d, p3, parts, stream, rows)
-
-    def row_taps(self, image, w, d, span, stream=0, rows=None):
-        """d = the tap product of a row3 image [pixels, 3 k P] and w [k, N, 3 k P] (tap_row_weights): one
-        product a kernel row dy (its K sliced as __call__ slices any K), image rows from dy span; rows as in taps
-        (d channel-major)."""
-        k, n, kp = w.shape
-        parts = [(dy * n * kp + k0, dy * span * kp + k0, kk) for dy in range(k) for k0, kk in slices(kp)]
-        self._shifted(image, w, d, kp, parts, stream, rows)
+        plan = self._plan(m, n, p3, p3, p3, align=16)
+        for t in range(count):
+            dy, dx = divmod(t, side)
+            self._matmul(plan, pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3, t > 0, d,
+                         stream)
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
-
 
 
 def slices(k):
@@ -799,54 +720,19 @@ def _blas_product():
     return _product
 
 
-def _host_result(d, got, rows):
-    """A simulated product's host result [M, N] into d, or with rows into the channel-major d[:, :M]."""
-    if rows is None:
-        d[:] = got
-    else:
-        d[:, :rows] = np.ascontiguousarray(got.T)
-
-
-def tap_product(image, w, d, span, stream=0, rows=None):
+def tap_product(image, w, d, span, stream=0):
     """d [M, N] float32 = sum over the taps t = (dy, dx) of a k x k conv (w [k k, N, 3P] fp16 bits, tap_weights)
     of image[m + dy span + dx] . w[t] over the 3P columns, image [pixels, 3P] fp16 bits in the taps' layout
     (split_image triple: [hi | lo | hi] a pixel, rows of span = W + 2 pixels): d's row m is the output at image
-    row m // span, column m % span (the last two columns of each row are not the image's). rows: d is
-    channel-major instead, d[n, m] for m < M = rows ([N, ld], ld >= M a multiple of 4; TAP_PLANAR). In the
-    simulator (no cuBLAS): on the host in float64."""
+    row m // span, column m % span (the last two columns of each row are not the image's). In the simulator
+    (no cuBLAS): on the host in float64."""
     if SIMULATED:
         av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
-        side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0] if rows is None else rows
-        got = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
-                  for dy in range(side) for dx in range(side)).astype(np.float32)
-        _host_result(d, got, rows)
+        side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0]
+        d[:] = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
+                   for dy in range(side) for dx in range(side)).astype(np.float32)
         return
-    _blas_product().taps(image, w, d, span, stream, rows)
-
-
-def tap_row_product(image, w, d, span, stream=0, rows=None):
-    """tap_product of a row3 image (split_image row3: [q | q + 1 | q + 2] a grid pixel, each [hi | lo | hi]) and
-    tap_row_weights: d [M, N] (or with rows, channel-major [N, ld]) = the sum over the kernel rows dy of
-    image[m + dy span] . w[dy] over its 3 k P columns. In the simulator (no cuBLAS): on the host in float64."""
-    if SIMULATED:
-        av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
-        m = d.shape[0] if rows is None else rows
-        got = sum(av[dy * span:dy * span + m] @ wv[dy].T for dy in range(wv.shape[0])).astype(np.float32)
-        _host_result(d, got, rows)
-        return
-    _blas_product().row_taps(image, w, d, span, stream, rows)
-
-
-def tap_row_weights(w, reversed_rows=False):
-    """tap_weights [k k, O', 3 P] as the row3 products' right operands: [k, O', 3 k P], row dy of output o the
-    taps (dy, 0), .., (dy, k - 1) side by side; and the peak. reversed_rows: each row's taps in reverse order
-    (the contract's planted layout bug)."""
-    taps, peak = tap_weights(w)
-    k = int(round(math.sqrt(taps.shape[0])))
-    t = taps.reshape(k, k, taps.shape[1], taps.shape[2])
-    if reversed_rows:
-        t = t[:, ::-1]
-    return np.ascontiguousarray(t.transpose(0, 2, 1, 3).reshape(k, taps.shape[1], k * taps.shape[2])), peak
+    _blas_product().taps(image, w, d, span, stream)
 
 
 def tap_part(c):
@@ -869,10 +755,10 @@ def tap_weights(w):
     return out, np.float32(peak)
 
 
-def tap_rows(c_in, o, width, row3=False):
+def tap_rows(c_in, o, width):
     """Output rows per chunk of a tap conv: as many as keep the chunk's split image and product within
-    TAP_BYTES, which the product's nine passes (row3: three) then find in L2."""
-    per_row = (width + 2) * ((9 if row3 else 3) * tap_part(c_in) * 2 + product_rows(o) * 4)
+    TAP_BYTES, which the product's nine passes then find in L2."""
+    per_row = (width + 2) * (3 * tap_part(c_in) * 2 + product_rows(o) * 4)
     return max(1, TAP_BYTES // per_row - 2)
 
 
@@ -974,15 +860,14 @@ def _ref_split(inp):
         np.concatenate([split, split, (2.0 ** -11 * np.abs(x) + peak * 2.0 ** -38).ravel(), zeros])
 
 
-def _make_conv(taps, up, planar=False, row3=False):
+def _make_conv(taps, up):
     def make(rng, size):
         c, o, h, w = (5, 3, 3, 4) if size == "tiny" else (384, 384, 128, 128)
         if up:
             h, w = h // 2 + 1, w // 2 + 1
         x = rng.standard_normal((c, h, w)).astype(np.float32) * 3
         wt = (rng.standard_normal((o, c, taps, taps)) / math.sqrt(c * taps * taps)).astype(np.float32)
-        return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up,
-                "planar": planar, "row3": row3}
+        return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32), "taps": taps, "up": up}
     return make
 
 
@@ -1000,15 +885,10 @@ def _run_conv(inp, control):
     """A conv as CudaOps runs it, chunk by chunk (two rows a chunk in the tiny case), finish into [O, H, W]: a 1x1
     conv through its columns (its split image [hi | lo]) and one split product; a k x k conv as tap products (the
     split image in the taps' layout, a product a tap); with "gw" in inp, over silu(group_norm(x)) made in the
-    peak's and the split's reads; with "planar", the tap product channel-major and finish_planar (TAP_PLANAR);
-    with "row3", a kernel row's taps in one product (TAP_ROWS). control: the split's lo parts zero (planar:
-    finish_planar's bias[0] for every channel; row3: the weight's taps of a row in reverse order)."""
+    peak's and the split's reads. control: the split's lo parts zero."""
     x = cuda.to_device(inp["x"])
-    taps, up, row3 = inp["taps"], inp["up"], bool(inp.get("row3"))
-    if row3:
-        wm, wpeak = tap_row_weights(inp["w"], reversed_rows=bool(control))
-    else:
-        wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
+    taps, up = inp["taps"], inp["up"]
+    wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
     w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
     c, h, wd = x.shape
     h, wd = (2 * h, 2 * wd) if up else (h, wd)
@@ -1020,28 +900,21 @@ def _run_conv(inp, control):
         partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
         norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
     absmax(x, peak, norm)
-    rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd, row3))
-    planar = bool(inp.get("planar"))
-    lo_zero = bool(control) and not planar and not row3
+    rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd))
     for r0 in range(0, h, rows):
         n = min(rows, h - r0)
         if taps == 1:
             cols = cuda.to_device(np.full((n * wd, split_width(c)), 0xFFFF, np.uint16))    # NaN, as garbage
             d = cuda.device_array((n * wd, wm.shape[0]), np.float32)       # the weight's product rows
-            split_image(x, peak, cols, r0, up, norm, control=lo_zero)
+            split_image(x, peak, cols, r0, up, norm, control=bool(control))
             half_product(cols, w, d)
             finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True)
         else:
             image = cuda.to_device(np.full((image_rows(n, taps) * span, wm.shape[2]), 0xFFFF, np.uint16))
-            split_image(x, peak, image, r0 - taps // 2, up, norm, control=lo_zero, triple=True, row3=row3)
-            if planar:
-                d = cuda.device_array((wm.shape[1], -(-n * span // 4) * 4), np.float32)
-                tap_product(image, w, d, span, rows=n * span - 2)
-                finish_planar(d, peak, peak_w, bias, out, r0 * wd, wd, span, n, control=bool(control))
-            else:
-                d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
-                (tap_row_product if row3 else tap_product)(image, w, d, span)
-                finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
+            d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
+            split_image(x, peak, image, r0 - taps // 2, up, norm, control=bool(control), triple=True)
+            tap_product(image, w, d, span)
+            finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
     return out.copy_to_host().reshape(o, h, wd)
 
 
@@ -1084,35 +957,6 @@ def _ref_finish(inp):
     bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])) + 1e-30
     summed = ref + inp["r"][:, 3:].T.astype(np.float64)
     return np.concatenate([ref, summed]), np.concatenate([bound, bound + 2 * EPS32 * np.abs(summed)])
-
-
-def _make_finish_planar_inputs(rng, size):
-    n, width, rows = (5, 6, 3) if size == "tiny" else (384, 1024, 32)
-    span = width + 2
-    return {"d": rng.standard_normal((n, rows * span)).astype(np.float32) * 1e4,
-            "b": rng.standard_normal(n).astype(np.float32), "pa": np.float32(3.0), "pw": np.float32(0.01),
-            "r": rng.standard_normal((n, rows * width + 3)).astype(np.float32), "width": width, "rows": rows}
-
-
-def _run_finish_planar(inp, control):
-    d, b, r = cuda.to_device(inp["d"]), cuda.to_device(inp["b"]), cuda.to_device(inp["r"])
-    pa, pw = cuda.to_device(np.array([inp["pa"]])), cuda.to_device(np.array([inp["pw"]]))
-    width, rows = inp["width"], inp["rows"]
-    out = cuda.to_device(np.zeros(inp["r"].shape, np.float32))
-    finish_planar(d, pa, pw, b, out, 3, width, width + 2, rows, residual=r, control=control)
-    return out.copy_to_host()[:, 3:]
-
-
-def _ref_finish_planar(inp):
-    """The grid's image columns, scaled, plus the bias and the residual (two roundings and the sum's)."""
-    width, rows = inp["width"], inp["rows"]
-    n = inp["d"].shape[0]
-    grid = inp["d"].reshape(n, rows, width + 2)[:, :, :width].reshape(n, rows * width).astype(np.float64)
-    inv = 1.0 / (host_scale(inp["pa"]) * host_scale(inp["pw"]))
-    ref = grid * inv + inp["b"].astype(np.float64)[:, None]
-    summed = ref + inp["r"][:, 3:].astype(np.float64)
-    bound = 2 * EPS32 * (np.abs(ref) + np.abs(inp["b"])[:, None]) + 2 * EPS32 * np.abs(summed) + 1e-30
-    return summed, bound
 
 
 def _make_gn(rng, size):
@@ -1202,15 +1046,7 @@ CASES = [
          notes="its columns and one split product; control: the split's lo parts zero"),
     Case("conv3x3_norm_taps", _make_conv_norm, _run_conv, _ref_conv,
          notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
-    Case("conv3x3_taps_planar", _make_conv(3, False, planar=True), _run_conv, _ref_conv,
-         notes="the variant TAP_PLANAR: the tap product channel-major, finish_planar; control: finish_planar's "
-               "bias[0] for every channel"),
-    Case("conv3x3_taps_rows", _make_conv(3, False, row3=True), _run_conv, _ref_conv,
-         notes="the variant TAP_ROWS: a kernel row's taps in one product; control: each row's taps reversed in "
-               "the weight"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
-    Case("finish_planar", _make_finish_planar_inputs, _run_finish_planar, _ref_finish_planar,
-         notes="control: bias[0] for every channel"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
     Case("to_pixels", _make_pixel_inputs, _run_pixels, _ref_pixels, notes="control: ties rounded down"),

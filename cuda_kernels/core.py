@@ -62,6 +62,35 @@ def _cache_writable():
     return _CACHE_WRITABLE[0]
 
 
+def _closure_bytes(func):
+    """The values a kernel factory closed `func` over, as bytes that are the same in every process: a device
+    function among them by its code and, recursively, its own closure (numba's cache key pickles it, and a
+    pickled device function can differ between processes, which made the flash kernel a cache miss in
+    every process); any other value pickled."""
+    from numba.cuda.serialize import dumps
+    parts = []
+    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or ()):
+        value = cell.cell_contents
+        inner = getattr(value, "py_func", None)
+        if inner is not None:
+            code = inner.__code__
+            parts.append(b"F" + name.encode() + code.co_code + repr((code.co_consts, code.co_names)).encode()
+                         + _closure_bytes(inner))
+        else:
+            parts.append(b"V" + name.encode() + dumps(value))
+    return b"\0".join(parts)
+
+
+def _index_key(func, sig, codegen):
+    """numba's cache index key for kernel `func` (signature, target, numba-cuda's version, code and closure)
+    with the closure as _closure_bytes: a kernel compiled once loads from the disk in later processes. The
+    sources themselves are in the cache folder's name (_cache_dir)."""
+    import numba_cuda
+    digest = lambda b: hashlib.sha256(b).hexdigest()       # noqa: E731
+    return (sig, codegen.magic_tuple(), numba_cuda.__version__,
+            (digest(func.__code__.co_code), digest(_closure_bytes(func))))
+
+
 def _cached(dispatcher):
     """Keep the kernel's compiled code on disk; a kernel numba cannot pickle (linked code) is compiled each
     process instead of failing."""
@@ -72,6 +101,7 @@ def _cached(dispatcher):
     except (RuntimeError, OSError):       # no usable cache location: compile each process
         return dispatcher
     cache, save = dispatcher._cache, dispatcher._cache.save_overload
+    cache._index_key = lambda sig, codegen: _index_key(dispatcher.py_func, sig, codegen)
 
     def save_or_skip(sig, data):
         try:
@@ -245,10 +275,29 @@ class DeviceView:
             "data": (face["data"][0], False), "version": 3, "stream": None}
 
 
+def columns(x, start, stop):
+    """x[..., start:stop] of a device array, as a view. numba's own slicing visits every contiguous run of a
+    strided result in Python (a column block of an [L, N] matrix costs L steps of host time, which a graph's
+    capture pays per view); this makes the view from its shape, strides and byte span at once."""
+    index = (slice(None),) * (x.ndim - 1) + (slice(start, stop),)
+    if SIMULATED:
+        return x[index]
+    if not 0 <= start <= stop <= x.shape[-1]:
+        raise IndexError(f"columns [{start}, {stop}) of an array of shape {x.shape}")
+    shape = tuple(x.shape[:-1]) + (stop - start,)
+    if 0 in shape:
+        return x[index]
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    offset = start * x.strides[-1]
+    span = x.dtype.itemsize + sum((n - 1) * s for n, s in zip(shape, x.strides))
+    return DeviceNDArray(shape, x.strides, x.dtype, stream=x.stream,
+                         gpu_data=x.gpu_data.view(offset, offset + span))
+
+
 def heads_view(rows, start, heads, d):
     """Columns [start, start + heads d) of a device matrix as a strided [L, heads, d] view, as the graph
     hands a column block of a stacked product to a kernel (numba's reshape refuses strided arrays)."""
-    block = rows[:, start:start + heads * d]
+    block = columns(rows, start, start + heads * d) if rows.ndim == 2 else rows[:, start:start + heads * d]
     if SIMULATED:
         return block.reshape(rows.shape[0], heads, d)
     from numba.cuda.cudadrv.devicearray import DeviceNDArray

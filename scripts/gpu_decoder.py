@@ -75,10 +75,8 @@ def ours_ms(dec, latents, calls):
     return statistics.median(times)
 
 
-def variants_ms(tensors, latents, calls, pixels):
-    """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product), and with
-    the tap conv variants (conv.TAP_PLANAR, conv.TAP_ROWS, both) at the default size, each with the count of its
-    uint8 values that differ from the default decode's `pixels`."""
+def variants_ms(tensors, latents, calls):
+    """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product)."""
     import gc
     from cuda_kernels import conv
     from moss_cli.ops.cuda_decoder import CudaDecoder
@@ -88,16 +86,6 @@ def variants_ms(tensors, latents, calls, pixels):
         out[f"taps_{mb}MB"] = ours_ms(CudaDecoder(tensors, SMALL), latents, calls)
         gc.collect()
     conv.TAP_BYTES = kept
-    for name, planar, rows in (("planar", True, False), ("rows", False, True), ("rows_planar", True, True)):
-        conv.TAP_PLANAR, conv.TAP_ROWS, dec = planar, rows, None
-        try:
-            dec = CudaDecoder(tensors, SMALL)
-            out[f"taps_{name}"] = ours_ms(dec, latents, calls)
-            out[f"taps_{name}_values_differing"] = int(np.count_nonzero(dec.decode(latents) != pixels))
-        finally:
-            conv.TAP_PLANAR, conv.TAP_ROWS = False, False
-        del dec
-        gc.collect()
     print("variants (ms): " + json.dumps(out), flush=True)
     return out
 
@@ -179,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--ops", type=int, metavar="SIZE", help="each op's own error at this size, then exit")
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
     parser.add_argument("--variants", action="store_true",
-                        help="also time other tap conv chunk sizes and the tap conv variants, at the first size")
+                        help="also time other tap conv chunk sizes, at the first size")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -209,7 +197,7 @@ def main(argv=None):
         row["ours_first_call_s"] = time.perf_counter() - start
         row["ours_ms"] = ours_ms(dec, latents, args.replays)
         if args.variants and size == args.sizes[0]:
-            row["variants_ms"] = variants_ms(tensors, latents, args.replays, pixels)
+            row["variants_ms"] = variants_ms(tensors, latents, args.replays)
         if args.profile:
             row["profile"] = kernel_table(cuda_spans(lambda: [dec.decode(latents) for _ in range(3)]), repeats=3,
                                           group=by_family(KERNELS))

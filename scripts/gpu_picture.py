@@ -73,15 +73,19 @@ def main():
     model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
+    parts = {}
     for part in ("encoder", "transformer", "decoder"):
+        t = time.perf_counter()
         getattr(model, part)
-    if args.device == "cuda":
-        cuda.synchronize()
+        if args.device == "cuda":
+            cuda.synchronize()
+        parts[part] = time.perf_counter() - t
     loaded = time.perf_counter()
-    out = {"imports_s": imported - START, "load_s": loaded - imported, "start_to_loaded_s": loaded - START,
+    out = {"imports_s": imported - START, "load_s": loaded - imported, "load_parts_s": parts,
+           "start_to_loaded_s": loaded - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
-    print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s)",
-          flush=True)
+    print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s; "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) + ")", flush=True)
     folder = Path(args.out).parent
     for size in args.sizes:
         for rep in range(2):

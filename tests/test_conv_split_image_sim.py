@@ -1,10 +1,8 @@
 """The decoder's split images (conv.split_image) in the numba CUDA simulator, bit for bit against images built
 here with numpy's own float16 rounding: the tap convs' layout (triple: rows of W + 2 pixels, [hi | lo | hi] a
 pixel, parts of C rounded up to 8) with the zero pixel each side of a row, rows above and below the input and
-channels past C; the same with each grid pixel's row holding it and its next two pixels (row3, the TAP_ROWS
-variant; all but the last two grid pixels, whose rows are only in part); a 1x1 conv's columns ([hi | lo], parts
-of C rounded up to 128); the 2x upsampling read through. The planted control (lo written as zero) must
-differ."""
+channels past C; a 1x1 conv's columns ([hi | lo], parts of C rounded up to 128); the 2x upsampling read
+through. The planted control (lo written as zero) must differ."""
 
 import pytest
 from sim_util import simulated_lines
@@ -41,20 +39,16 @@ for c, up in ((8, False), (5, False), (12, True)):
     x = (rng.standard_normal((c, 3, 5)) * 3).astype(np.float32)
     peak = float(np.abs(x).max())
     h = 6 if up else 3
-    for layout in ("taps", "row3", "columns"):
-        triple = layout != "columns"
+    for triple in (True, False):
         # a tap chunk's image: the row above the input, the row below it; a 1x1 chunk's: its first and last rows
         for r0, rows in (((-1, 3), (h - 2, 3)) if triple else ((0, 2), (2, h - 2))):
             want = expected(x, peak, r0, rows, up, triple)
-            if layout == "row3":
-                want = np.concatenate([want[:-2], want[1:-1], want[2:]], axis=1)
             for control in (False, True):
-                shape = (want.shape[0] + 2, want.shape[1]) if layout == "row3" else want.shape
-                image = cuda.to_device(np.full(shape, 0xFFFF, np.uint16))      # NaN bits as garbage
+                image = cuda.to_device(np.full(want.shape, 0xFFFF, np.uint16))      # NaN bits as garbage
                 conv.split_image(cuda.to_device(x), cuda.to_device(np.float32([peak])), image, r0, up,
-                                 control=control, triple=triple, row3=layout == "row3")
-                got = image.copy_to_host()[:want.shape[0]]
-                print(c, up, layout, r0, "control" if control else "kernel",
+                                 control=control, triple=triple)
+                got = image.copy_to_host()
+                print(c, up, "taps" if triple else "columns", r0, "control" if control else "kernel",
                       "equal" if np.array_equal(got, want) else f"differ {np.count_nonzero(got != want)}")
 '''
 
@@ -66,10 +60,10 @@ def lines():
 
 def test_split_images_equal_numpy_float16_images_bit_for_bit(lines):
     kernel = [line for line in lines if " kernel " in line]
-    assert len(kernel) == 18, lines
+    assert len(kernel) == 12, lines
     assert all(line.endswith("equal") for line in kernel), "\n".join(kernel)
 
 
 def test_planted_control_differs(lines):
     planted = [line for line in lines if " control " in line]
-    assert len(planted) == 18 and all(" differ " in line for line in planted), "\n".join(planted)
+    assert len(planted) == 12 and all(" differ " in line for line in planted), "\n".join(planted)

@@ -45,3 +45,23 @@ def test_an_unwritable_folder_leaves_the_kernels_uncached(tmp_path, monkeypatch)
             raise AssertionError("caching enabled in an unwritable folder")
     kernel = Dispatcher()
     assert core._cached(kernel) is kernel and core._CACHE_WRITABLE == [False]
+
+
+_CLOSURE = """
+import hashlib
+from cuda_kernels import core, flash
+print(*(hashlib.sha256(core._closure_bytes(flash._make_flash(128, 1, 64, causal, False).py_func)).hexdigest()
+        for causal in (True, False)))
+"""
+
+
+def test_a_factory_kernels_cache_key_is_the_same_in_every_process_and_tells_its_constants_apart():
+    """The flash kernel closes over device functions made by its factory; numba's own key pickles them, and
+    the pickles differ between processes (a cache miss each time). _closure_bytes keys them by their code
+    and constants: two processes agree, and another factory argument (causal) gives another key."""
+    import subprocess
+    import sys
+    runs = [subprocess.run([sys.executable, "-c", _CLOSURE], capture_output=True, text=True, check=True,
+                           cwd=SOURCES.parent).stdout.split() for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 2
+    assert runs[0][0] != runs[0][1]

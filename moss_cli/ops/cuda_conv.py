@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import conv, rope_attention
+from cuda_kernels.core import columns
 
 
 class Upsampled:
@@ -54,13 +55,11 @@ class ConvCudaOps:
     def _split_weight(self, w, taps=False):
         """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
         [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight; taps: the
-        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights); taps="rows": the row3 products'
-        [k, product_rows(O), 3 k tap_part(C)] (conv.tap_row_weights)."""
-        make = conv.tap_row_weights if taps == "rows" else conv.tap_weights if taps else conv.weight_matrix
-        key = (make.__name__, id(w))
+        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights)."""
+        key = ("tap_weights" if taps else "weight_matrix", id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = make(w.copy_to_host())
+            bits, peak = (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
@@ -92,7 +91,7 @@ class ConvCudaOps:
             n = min(rows, h - r0) * width
             conv.split_image(src, peak, cols[:n], r0, up, norm, stream=self.stream)
             conv.half_product(cols[:n], weight, d[:n], stream=self.stream)
-            conv.finish(d[:n, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
+            conv.finish(columns(d[:n], 0, o), peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream)
         return out
 
@@ -100,38 +99,25 @@ class ConvCudaOps:
         """conv2d of a k x k kernel as tap products over chunks of output rows: the chunk's split image in the
         taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
         tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
-        conv.TAP_BYTES, so the taps after the first find both in L2. With conv.TAP_PLANAR (a variant) d is
-        channel-major and conv.finish_planar streams it out; with conv.TAP_ROWS (another) a kernel row's taps
-        are one product (split_image row3, conv.tap_row_product)."""
+        conv.TAP_BYTES, so the taps after the first find both in L2."""
         o, h, width = shape
         taps, span = w.shape[2], width + 2
-        row3 = conv.TAP_ROWS
-        weight, peak_w = self._split_weight(w, taps="rows" if row3 else True)
-        product = conv.tap_row_product if row3 else conv.tap_product
+        weight, peak_w = self._split_weight(w, taps=True)
         peak = self._peak(src, norm)
         out = self.new(shape)
-        rows = min(h, conv.tap_rows(src.shape[0], o, width, row3))
+        rows = min(h, conv.tap_rows(src.shape[0], o, width))
         image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
-        planar = conv.TAP_PLANAR
-        if planar:      # channel-major [O', ld]: each channel's row 16-byte aligned
-            d = self.new((weight.shape[1], -(-rows * span // 4) * 4))
-        else:
-            d = self.new((rows * span, weight.shape[1]))
+        d = self.new((rows * span, weight.shape[1]))
         flat = out.reshape(o, h * width)
         res = None if residual is None else residual.reshape(o, h * width)
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
             m = n * span - 2                        # the last row's two columns past the image are not computed
             conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 - taps // 2, up, norm,
-                             stream=self.stream, triple=True, row3=row3)
-            if planar:
-                product(image, weight, d, span, stream=self.stream, rows=m)
-                conv.finish_planar(d, peak, peak_w, b, flat, r0 * width, width, span, n, residual=res,
-                                   stream=self.stream)
-            else:
-                product(image, weight, d[:m], span, stream=self.stream)
-                conv.finish(d[:m, :o], peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
-                            stream=self.stream, span=span)
+                             stream=self.stream, triple=True)
+            conv.tap_product(image, weight, d[:m], span, stream=self.stream)
+            conv.finish(columns(d[:m], 0, o), peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
+                        stream=self.stream, span=span)
         return out
 
     def group_norm(self, x, groups, w, b, eps):
@@ -182,7 +168,7 @@ class ConvCudaOps:
         d = self.new((a.shape[0], w.shape[0]))
         conv.half_product(a, w, d, stream=self.stream)
         out = self.new((a.shape[0], n))
-        conv.finish(d[:, :n], peak_a, peak_w, bias, out, stream=self.stream)
+        conv.finish(columns(d, 0, n), peak_a, peak_w, bias, out, stream=self.stream)
         return out
 
     def split_linear(self, x, w, b=None):

@@ -23,7 +23,7 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
-from cuda_kernels.core import SIMULATED, DeviceView, from_bf16_bits, to_bf16_bits
+from cuda_kernels.core import SIMULATED, DeviceView, columns, from_bf16_bits, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, check_ids, text_config
@@ -287,7 +287,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """Consecutive blocks of the last axis, as strided views (no copy)."""
         out, start = [], 0
         for n in sizes:
-            out.append(x[(slice(None),) * (x.ndim - 1) + (slice(start, start + n),)])
+            out.append(columns(x, start, start + n))
             start += n
         return out
 
