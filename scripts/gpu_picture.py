@@ -4,12 +4,18 @@ stage, for each size twice (the second picture, another seed, reuses the loaded 
 graphs and the refined texts, and its noise is drawn on a host thread while the first denoises, as
 `moss-image` does with several seeds).
 
-Reports: seconds from process start to every weight on the GPU and to the first denoising step; per picture
+Reports: seconds from process start to every weight on the GPU and to the first denoising step, each
+component's load split into its weights' bytes (the staging uploader's own seconds) and the rest (its eager
+pass: kernels loaded or compiled, product and attention plans, launches); per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it. Writes JSON and the
 PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
+        [--host-profile profile.txt]
+
+--host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
+written to that file; the profiler slows the host, so such a run's seconds are not the figures.
 """
 
 import time
@@ -67,25 +73,67 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
+    ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
     args = ap.parse_args()
+    if args.host_profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            run(args)
+        finally:
+            profiler.disable()
+            _write_profile(profiler, args.host_profile)
+    else:
+        run(args)
+
+
+def _write_profile(profiler, path):
+    import io
+    import pstats
+    text = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(40)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text.getvalue())
+
+
+def _uploaded(model_device):
+    """The staging uploader's stats so far (bytes, seconds, host_s, wait_s), or None on the CPU."""
+    if model_device != "cuda":
+        return None
+    from moss_cli.ops.cuda_upload import uploader
+    return dict(uploader().stats())
+
+
+def run(args):
     imported = time.perf_counter()
     clock = Clock()
     model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
-    parts = {}
+    parts, uploads = {}, {}
     for part in ("encoder", "transformer", "decoder"):
         t = time.perf_counter()
+        before = _uploaded(args.device)
         getattr(model, part)
         if args.device == "cuda":
             cuda.synchronize()
         parts[part] = time.perf_counter() - t
+        after = _uploaded(args.device)
+        if after is not None:        # the uploader's counters run on across components: this one's share
+            uploads[part] = {k: after[k] - before[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
     loaded = time.perf_counter()
     out = {"imports_s": imported - START, "load_s": loaded - imported, "load_parts_s": parts,
+           "load_parts_uploads": uploads,
            "start_to_loaded_s": loaded - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) + ")", flush=True)
+    for part, up in uploads.items():
+        print(f"  {part}: {up['bytes'] / 1e9:.2f} GB through the uploader, host copies {up['host_s']:.2f} s, "
+              f"waits {up['wait_s']:.2f} s; the rest of its load {parts[part] - up['host_s'] - up['wait_s']:.2f} s",
+              flush=True)
     folder = Path(args.out).parent
     for size in args.sizes:
         for rep in range(2):
@@ -134,6 +182,7 @@ def main():
         out["pool_plans"] = shared_pool().plans        # each capture's eager pass: takes still lent at its end
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 

@@ -9,7 +9,8 @@
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
-# (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS), tables (BENCHMARKS.md's
+# (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
+# PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -89,6 +90,10 @@ for step in "$@"; do
             # a second process: its kernels come from the on-disk cache the first one filled
             $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_again.json" --sizes 512 --steps 4 2>&1 \
               | tee -a "$OUT/picture.txt"
+            if [ -n "${PICTURE_PROFILE:-}" ]; then     # a third process under cProfile: where its host time goes
+              $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_profiled.json" --sizes 512 --steps 2 \
+                --host-profile "$OUT/picture_profile.txt" 2>&1 | tee -a "$OUT/picture.txt"
+            fi
           fi ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
     *) echo "unknown step $step"; false ;;
