@@ -135,6 +135,7 @@ def run(args):
               f"waits {up['wait_s']:.2f} s; the rest of its load {parts[part] - up['host_s'] - up['wait_s']:.2f} s",
               flush=True)
     folder = Path(args.out).parent
+    folder.mkdir(parents=True, exist_ok=True)
     for size in args.sizes:
         for rep in range(2):
             t0 = time.perf_counter()
@@ -182,7 +183,6 @@ def run(args):
         out["pool_plans"] = shared_pool().plans        # each capture's eager pass: takes still lent at its end
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
