@@ -15,7 +15,8 @@ PNGs beside it.
         [--host-profile profile.txt]
 
 --host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
-written to that file; the profiler slows the host, so such a run's seconds are not the figures.
+written to that file, and the whole profile beside it (.prof, for pstats); the profiler slows the host, so
+such a run's seconds are not the figures.
 """
 
 import time
@@ -96,6 +97,7 @@ def _write_profile(profiler, path):
         pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(40)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text.getvalue())
+    profiler.dump_stats(str(Path(path).with_suffix(".prof")))     # the whole profile, for pstats' callers/callees
 
 
 def _uploaded(model_device):
