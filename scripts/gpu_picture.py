@@ -111,6 +111,9 @@ def _uploaded(model_device):
 def run(args):
     imported = time.perf_counter()
     clock = Clock()
+    if args.device == "cuda":      # count the pool's blocks that come back inside a garbage collection
+        from moss_cli.ops.cuda_table import shared_pool
+        shared_pool().watch_collector()
     model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
@@ -182,6 +185,7 @@ def run(args):
         from moss_cli.ops.cuda_table import shared_pool
         out["pool_GB"] = shared_pool().bytes / 1e9
         out["pool_misses"] = shared_pool().misses      # captures lent other blocks than their plans
+        out["pool_collector_gives"] = shared_pool().collector_gives
         out["pool_plans"] = shared_pool().plans        # each capture's eager pass: takes still lent at its end
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)

@@ -297,3 +297,28 @@ def test_each_plan_records_its_takes_the_ones_still_lent_and_the_blocks_it_made(
     assert pool.plans == [{"takes": 3, "asked_bytes": 14 * MB, "held_takes": 1, "held_bytes": 4 * MB,
                            "made_bytes": 8 * MB + 4 * MB}]
     pool.give(b)
+
+
+def test_blocks_given_back_by_the_cyclic_collector_are_counted():
+    import gc
+    import weakref
+
+    class Holder:
+        pass
+    pool, _ = counting_pool()
+    pool.watch_collector()
+    plain, cyclic = Holder(), Holder()
+    cyclic.me = cyclic                      # a reference cycle: only the collector frees it
+    for holder in (plain, cyclic):
+        weakref.finalize(holder, pool.give, pool.take(MB))
+    del holder
+    gc.disable()
+    try:
+        del plain                           # refcount: given back at once, not by the collector
+        assert pool.collector_gives == 0 and len(pool._free) == 1
+        del cyclic
+        assert len(pool._free) == 1         # still lent: the cycle keeps it
+        gc.collect()
+    finally:
+        gc.enable()
+    assert pool.collector_gives == 1 and len(pool._free) == 2

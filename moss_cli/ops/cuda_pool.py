@@ -20,6 +20,8 @@ BENCHMARKS.md quotes them). A block a captured graph used is never freed: the gr
 """
 
 import bisect
+import gc
+import weakref
 
 SMALL = 1 << 20
 _NEVER = float("inf")
@@ -50,6 +52,8 @@ class Pool:
         self._script = None    # while scripted: the planned block of each take, in order
         self.misses = 0        # scripted takes that found their planned block lent or too small (best fit then)
         self.plans = []        # per plan(): its takes, the bytes they ask, those still lent when it ran, blocks made
+        self.collector_gives = None   # after watch_collector(): blocks given back while the cyclic collector ran
+        self._collecting = False
 
     def take(self, nbytes):
         """A block of at least nbytes (best fit; exactly nbytes under SMALL), or the script's next block."""
@@ -70,10 +74,27 @@ class Pool:
 
     def give(self, block):
         """Take back a block lent by `take`."""
+        if self._collecting:
+            self.collector_gives += 1
         if self._trace is not None and block.order in self._held:
             self._trace.append((self._held.pop(block.order),))
         bisect.insort(self._free, (block.nbytes, block.order, block))
         self._free_orders.add(block.order)
+
+    def watch_collector(self):
+        """Count, from now on, the blocks that come back while Python's cyclic garbage collector runs: an array
+        in a reference cycle dies then, at a moment that can differ between processes, and a plan made after
+        it starts from other free blocks (`collector_gives`; a diagnostic, it changes no lending)."""
+        if self.collector_gives is not None:
+            return
+        self.collector_gives = 0
+        ref = weakref.ref(self)
+
+        def on_collect(phase, info):
+            pool = ref()
+            if pool is not None:
+                pool._collecting = phase == "start"
+        gc.callbacks.append(on_collect)
 
     @property
     def free_bytes(self):

@@ -18,6 +18,7 @@ from moss_cli import artifacts, stages
 from moss_cli.checkpoint import open_checkpoint
 from moss_cli.ops.cuda_table import shared_pool
 
+shared_pool().watch_collector()       # blocks that come back inside a garbage collection (a diagnostic)
 model = stages.Model(open_checkpoint(), device="cuda")
 sizes = [int(s) for s in sys.argv[1:]]
 after = []
@@ -27,6 +28,7 @@ for size in sizes:
     png = stages.decode(model, artifacts.parse(lat, "LAT", "denoise", model.fingerprint))
     after.append(shared_pool().bytes)
     sys.stdout.buffer.write(png.hex().encode() + b"\n")
+print("collector_gives", shared_pool().collector_gives)
 print("misses", shared_pool().misses, "pool", *after)
 '''
 
@@ -38,14 +40,14 @@ def _run(*sizes):
     done = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, sizes)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    *pngs, last = done.stdout.split("\n")[:-1]
+    *pngs, collector, last = done.stdout.split("\n")[:-1]
     words = last.split()
-    return pngs, int(words[1]), [int(w) for w in words[3:]]
+    return pngs, int(words[1]), [int(w) for w in words[3:]], collector
 
 
 def test_captures_follow_their_plans_and_sizes_share_blocks():
-    pngs, misses, pool = _run(128, 64)
+    pngs, misses, pool, collector = _run(128, 64)
     assert misses == 0
-    assert pool[1] <= pool[0] * 1.01          # the 64x64 graphs in the 128x128 graphs' blocks
-    other, _, _ = _run(64, 128)               # the other capture order: other blocks, the same bytes
+    assert pool[1] <= pool[0] * 1.01, (pool, collector)     # the 64x64 graphs in the 128x128 graphs' blocks
+    other, _, _, _ = _run(64, 128)               # the other capture order: other blocks, the same bytes
     assert other == pngs[::-1]
