@@ -59,10 +59,15 @@ class ConvCudaOps:
         key = ("tap_weights" if taps else "weight_matrix", id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
+            bits, peak = self._host_split_weight(w, taps)
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
+
+    def _host_split_weight(self, w, taps):
+        """(bits, peak) of conv.tap_weights or conv.weight_matrix of device weight w, from its copy to the host
+        (DecoderOps splits its weights from their host tensors instead)."""
+        return (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
 
     def _peak(self, x, norm=None):
         peak = self.new((1,))

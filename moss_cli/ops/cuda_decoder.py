@@ -8,23 +8,72 @@ de-normalisation and unpatchify, the decoder and the pixels' rounding are one CU
 import numpy as np
 from numba import cuda
 
+from cuda_kernels import conv
 from cuda_kernels.core import SIMULATED, from_bf16_bits
 
 from ..vae import Decoder, _config
 from .cuda_table import CudaOps, _is_bf16, numba_stream, planned_capture
 
 
+SPLIT_PREFIXES = ("decoder.", "post_quant_conv.")     # the tensors the decoder reads (the VAE's encoder: not)
+
+
+def _float32(tensors, name):
+    value = np.asarray(tensors[name])
+    wide = from_bf16_bits(value.view(np.uint16)) if _is_bf16(value.dtype) else value
+    return np.ascontiguousarray(wide, dtype=np.float32)
+
+
+def _split(host, taps):
+    return (conv.tap_weights if taps else conv.weight_matrix)(host)
+
+
 class DecoderOps(CudaOps):
-    """The CUDA table with every matrix float32 on the device and linear / attention as split products."""
+    """The CUDA table with every matrix float32 on the device and linear / attention as split products. The
+    products' split weights (conv.tap_weights, conv.weight_matrix) are made on the host from the checkpoint's
+    tensors, on a host thread from `split_ahead` on, not from the device weights copied back."""
+
+    def __init__(self):
+        super().__init__()
+        self._sources = {}     # id(device weight) -> (the tensors it came from, its name)
+        self._ahead = {}       # (tensor name, taps) -> the Future of its split (split_ahead)
+        self.late_splits = 0   # splits made when asked for, none ahead
+        self._split_started = False
 
     def param(self, tensors, name):
         key = (id(tensors), name)
         out = self._params.get(key)
         if out is None:
-            value = np.asarray(tensors[name])
-            wide = from_bf16_bits(value.view(np.uint16)) if _is_bf16(value.dtype) else value
-            out = self._params[key] = cuda.to_device(np.ascontiguousarray(wide, dtype=np.float32))
+            out = self._params[key] = cuda.to_device(_float32(tensors, name))
+            self._sources[id(out)] = (tensors, name)
         return out
+
+    def split_ahead(self, tensors):
+        """Split every conv and projection weight the decoder reads (4-D: taps when k > 1; 2-D) on a host thread,
+        in the tensors' order, so the first decode finds them made (its eager pass waits only for one not yet
+        done). Once per table: a later call does nothing."""
+        from concurrent.futures import ThreadPoolExecutor
+        names = [n for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")
+                 and np.asarray(tensors[n]).ndim in (2, 4)]
+        if self._split_started or not names:
+            return
+        self._split_started = True
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vae-split")
+        for name in names:
+            shape = np.asarray(tensors[name]).shape
+            taps = len(shape) == 4 and shape[2] > 1
+            self._ahead[(name, taps)] = worker.submit(lambda n=name, t=taps: _split(_float32(tensors, n), t))
+        worker.shutdown(wait=False)        # the thread ends once the queue is done
+
+    def _host_split_weight(self, w, taps):
+        tensors, name = self._sources.get(id(w), (None, None))
+        if tensors is None:
+            return super()._host_split_weight(w, taps)
+        made = self._ahead.pop((name, taps), None)
+        if made is not None:
+            return made.result()
+        self.late_splits += 1
+        return _split(_float32(tensors, name), taps)
 
     def linear(self, x, w, b=None, residual=None, narrow=False):
         if residual is not None:
@@ -48,6 +97,11 @@ class CudaDecoder:
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
         self._captured = {}
+
+    def split_ahead(self):
+        """Start splitting the products' weights on a host thread (DecoderOps.split_ahead), e.g. while the
+        pictures before the first decode denoise."""
+        self.ops.split_ahead(self.decoder.tensors)
 
     def _run(self, latents):
         """The ops of one decode from device latents [128, h, w]; returns the device pixels."""
