@@ -226,9 +226,9 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             for picture in {picture.prompt.index: picture for picture in group}.values():
                 artifacts.write(Path(keep) / keep_names(picture, several)[0], enc_bytes)
         enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
-        if number == 0 and model_for("decode").device == "cuda":
-            model_for("denoise").transformer          # loaded first: the decoder's splits run while the pictures denoise
-            model_for("decode").decoder_ahead()
+        if number == 0 and model_for("decode").device == "cuda":     # the GPU decoder made after the transformer's
+            model_for("denoise").transformer          # load, so that its weights' splits (a host thread) run while
+            model_for("decode").decoder               # the pictures denoise (CudaDecoder)
         for picture in group:
             number += 1
             if several:

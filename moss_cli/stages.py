@@ -186,14 +186,6 @@ class Model:
         return Decoder(self.ops, comp.tensors, comp.config)
 
 
-    def decoder_ahead(self):
-        """The decoder made now; on the GPU its products' weights split on a host thread from here on
-        (CudaDecoder.split_ahead), so that a first decode after the pictures' denoising finds them made."""
-        decoder = self.decoder
-        if self.device == "cuda":
-            decoder.split_ahead()
-
-
 # --- encode ----------------------------------------------------------------------------------
 
 def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):

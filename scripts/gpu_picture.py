@@ -121,7 +121,7 @@ def run(args):
     for part in ("encoder", "transformer", "decoder"):
         t = time.perf_counter()
         before = _uploaded(args.device)
-        model.decoder_ahead() if part == "decoder" else getattr(model, part)   # as moss-image: splits on a thread
+        getattr(model, part)
         if args.device == "cuda":
             cuda.synchronize()
         parts[part] = time.perf_counter() - t

@@ -1,5 +1,5 @@
-"""The decoder's split weights made on a host thread ahead of its first decode (DecoderOps.split_ahead), in
-the CUDA simulator on the tiny checkpoint with the kernels skipped: every split the decode asks for was made
+"""The decoder's split weights made on a host thread from its construction on (DecoderOps.split_ahead), in the
+CUDA simulator on the tiny checkpoint with the kernels skipped: every split the first decode asks for was made
 ahead, and each equals, bit for bit, the split of the device weight copied back to the host (the route it
 replaces)."""
 
@@ -31,9 +31,7 @@ def spy(self, w, taps=False):
 
 cuda_conv.ConvCudaOps._split_weight = spy
 for ahead in (True, False):
-    dec = CudaDecoder(vae.tensors, vae.config, graphs=False)
-    if ahead:
-        dec.split_ahead()
+    dec = CudaDecoder(vae.tensors, vae.config, graphs=False, split_ahead=ahead)
     dec._run(cuda.to_device(np.zeros((128, 3, 2), np.float32)))
     print("ahead" if ahead else "asked", len(asked), all(asked), dec.ops.late_splits, len(dec.ops._ahead))
     asked.clear()

@@ -89,19 +89,18 @@ class DecoderOps(CudaOps):
 class CudaDecoder:
     """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
-    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way)."""
+    boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way). The
+    products' split weights are made on a host thread from here on (DecoderOps.split_ahead; `split_ahead=False`:
+    each when the first decode asks for it)."""
 
-    def __init__(self, tensors, config, graphs=True):
+    def __init__(self, tensors, config, graphs=True, split_ahead=True):
         self.ops = DecoderOps()
         self.decoder = Decoder(self.ops, tensors, config)
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
         self._captured = {}
-
-    def split_ahead(self):
-        """Start splitting the products' weights on a host thread (DecoderOps.split_ahead), e.g. while the
-        pictures before the first decode denoise."""
-        self.ops.split_ahead(self.decoder.tensors)
+        if split_ahead:
+            self.ops.split_ahead(tensors)
 
     def _run(self, latents):
         """The ops of one decode from device latents [128, h, w]; returns the device pixels."""
