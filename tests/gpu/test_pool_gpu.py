@@ -13,6 +13,7 @@ OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
 
 SCRIPT = r'''
+import json
 import sys
 from moss_cli import artifacts, stages
 from moss_cli.checkpoint import open_checkpoint
@@ -28,6 +29,7 @@ for size in sizes:
     png = stages.decode(model, artifacts.parse(lat, "LAT", "denoise", model.fingerprint))
     after.append(shared_pool().bytes)
     sys.stdout.buffer.write(png.hex().encode() + b"\n")
+print("plans", json.dumps(shared_pool().plans))     # per capture: takes, bytes asked, still lent, blocks made
 print("collector_gives", shared_pool().collector_gives)
 print("misses", shared_pool().misses, "pool", *after)
 '''
@@ -40,14 +42,14 @@ def _run(*sizes):
     done = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, sizes)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    *pngs, collector, last = done.stdout.split("\n")[:-1]
+    *pngs, plans, collector, last = done.stdout.split("\n")[:-1]
     words = last.split()
-    return pngs, int(words[1]), [int(w) for w in words[3:]], collector
+    return pngs, int(words[1]), [int(w) for w in words[3:]], f"{collector}; {plans}"
 
 
 def test_captures_follow_their_plans_and_sizes_share_blocks():
-    pngs, misses, pool, collector = _run(128, 64)
+    pngs, misses, pool, why = _run(128, 64)
     assert misses == 0
-    assert pool[1] <= pool[0] * 1.01, (pool, collector)     # the 64x64 graphs in the 128x128 graphs' blocks
+    assert pool[1] <= pool[0] * 1.01, (pool, why)     # the 64x64 graphs in the 128x128 graphs' blocks
     other, _, _, _ = _run(64, 128)               # the other capture order: other blocks, the same bytes
     assert other == pngs[::-1]
