@@ -8,7 +8,8 @@ Reports: seconds from process start to every weight on the GPU and to the first 
 component's load split into its weights' bytes (the staging uploader's own seconds) and the rest (its eager
 pass: kernels loaded or compiled, product and attention plans, launches); per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
-(the pool only grows, so this is the peak of the run), and the shared pool's part of it. Writes JSON and the
+(the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
+waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
 PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
@@ -187,6 +188,8 @@ def run(args):
         out["pool_misses"] = shared_pool().misses      # captures lent other blocks than their plans
         out["pool_collector_gives"] = shared_pool().collector_gives
         out["pool_plans"] = shared_pool().plans        # each capture's eager pass: takes still lent at its end
+        ops = model.decoder.ops       # its weights' splits, made on a host thread from its construction on
+        out["decoder_split_wait_s"], out["decoder_late_splits"] = ops.split_wait_s, ops.late_splits
     print(f"start to first step {out.get('start_to_first_step_s', float('nan')):.2f} s; device memory in use "
           f"{out['device_memory_in_use_GB']:.1f} GB", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

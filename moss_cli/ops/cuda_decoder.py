@@ -5,6 +5,8 @@ attention projections and attention too, not the table's bf16 ones. The latents'
 de-normalisation and unpatchify, the decoder and the pixels' rounding are one CUDA graph per latent size.
 """
 
+import time
+
 import numpy as np
 from numba import cuda
 
@@ -38,6 +40,7 @@ class DecoderOps(CudaOps):
         self._sources = {}     # id(device weight) -> (the tensors it came from, its name)
         self._ahead = {}       # (tensor name, taps) -> the Future of its split (split_ahead)
         self.late_splits = 0   # splits made when asked for, none ahead
+        self.split_wait_s = 0.0   # seconds the decodes waited for splits still being made ahead
         self._split_started = False
 
     def param(self, tensors, name):
@@ -71,7 +74,10 @@ class DecoderOps(CudaOps):
             return super()._host_split_weight(w, taps)
         made = self._ahead.pop((name, taps), None)
         if made is not None:
-            return made.result()
+            start = time.perf_counter()
+            out = made.result()
+            self.split_wait_s += time.perf_counter() - start
+            return out
         self.late_splits += 1
         return _split(_float32(tensors, name), taps)
 
