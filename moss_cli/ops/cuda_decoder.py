@@ -56,11 +56,13 @@ class DecoderOps(CudaOps):
         in the tensors' order, so the first decode finds them made (its eager pass waits only for one not yet
         done). Once per table: a later call does nothing."""
         from concurrent.futures import ThreadPoolExecutor
-        names = [n for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")
-                 and np.asarray(tensors[n]).ndim in (2, 4)]
-        if self._split_started or not names:
+        if self._split_started:
             return
         self._split_started = True
+        names = [n for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")
+                 and np.asarray(tensors[n]).ndim in (2, 4)]
+        if not names:
+            return
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vae-split")
         for name in names:
             shape = np.asarray(tensors[name]).shape
