@@ -14,6 +14,9 @@ import numpy as np
 from numba import config, cuda, float32, uint16, uint32, uint64
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
+if SIMULATED:            # thread blocks that wait on their barrier instead of polling it (sim_barrier)
+    from . import sim_barrier
+    sim_barrier.install()
 
 # The simulator's jit() rejects these keyword arguments (numba_cuda.md section 7.6).
 _GPU_ONLY_KWARGS = ("lineinfo", "launch_bounds", "max_registers", "forceinline", "lto")
