@@ -4,8 +4,7 @@ geometry (256-thread blocks, 16-token tiles, token by token; 21 tokens at dk = 1
 tile, then a part tile; each simulated thread-step costs ~0.2 ms, so no more tokens than that) fitted to dk = 16
 and to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, with two state columns a thread,
 and the chunked form
-with 64-token chunks, 16-row solve blocks, with dk = 8 (70 tokens: a whole chunk and a part one; its control on
-the whole chunk alone), the fused
+with 64-token chunks, 16-row solve blocks, with dk = 8 (70 tokens: a whole chunk and a part one), the fused
 setup's 256 threads and the strip walk's 32 columns on 256 threads (the tiny checkpoint's key dim, half the
 GPU default's threads: the simulator's mma statement takes at most 256). The tile walk, not the default, is
 checked by its contract case at the simulator's size. The staged setup is checked by its
@@ -58,8 +57,7 @@ gs.THREADS, gs.STRIP = {setup}
 gc._prep.clear(); gc._solve.clear(); gc._walk.clear(); gs._setup.clear()
 expected, bound = gc._ref_chunked(inp)
 plain = gate(gc._run(inp, False, setup="{form}"), expected, bound)
-one = {{name: x[:gc.CHUNK] for name, x in inp.items()}}      # the control on the whole chunk alone (half the work)
-control = gate(gc._run(one, True, setup="{form}"), *gc._ref_chunked(one))
+control = gate(gc._run(inp, True, setup="{form}"), expected, bound)
 print(plain[0], control[0], plain[1], control[1])
 """
 
