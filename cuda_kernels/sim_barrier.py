@@ -78,7 +78,8 @@ def _run(self, grid_point, *args):
             self._generation += 1
             self._released.notify_all()
             raise failed[0].exception[0].with_traceback(failed[0].exception[1])
-    for t in threads:         # one whose exception could not be worded above (BlockThread.run recorded it)
+    for t in threads:         # one whose exception could not be worded above (BlockThread.run records it)
+        t.join()
         if t.exception:
             raise t.exception[0].with_traceback(t.exception[1])
 
