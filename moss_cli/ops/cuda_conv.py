@@ -49,6 +49,12 @@ def _source(x):
     return (x.x if up or norm else x), up, norm
 
 
+def split_weight_bits(host, taps):
+    """(bits, peak) of a float32 host weight as the products read it: conv.tap_weights for a k x k conv's tap
+    products (taps), else conv.weight_matrix."""
+    return (conv.tap_weights if taps else conv.weight_matrix)(host)
+
+
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
@@ -65,9 +71,9 @@ class ConvCudaOps:
         return cached[1], cached[2]
 
     def _host_split_weight(self, w, taps):
-        """(bits, peak) of conv.tap_weights or conv.weight_matrix of device weight w, from its copy to the host
-        (DecoderOps splits its weights from their host tensors instead)."""
-        return (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())
+        """split_weight_bits of device weight w, from its copy to the host (DecoderOps splits its weights from
+        their host tensors instead)."""
+        return split_weight_bits(w.copy_to_host(), taps)
 
     def _peak(self, x, norm=None):
         peak = self.new((1,))

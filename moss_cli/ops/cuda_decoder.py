@@ -10,10 +10,10 @@ import time
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import conv
 from cuda_kernels.core import SIMULATED, from_bf16_bits
 
 from ..vae import Decoder, _config
+from .cuda_conv import split_weight_bits
 from .cuda_table import CudaOps, _is_bf16, numba_stream, planned_capture
 
 
@@ -24,10 +24,6 @@ def _float32(tensors, name):
     value = np.asarray(tensors[name])
     wide = from_bf16_bits(value.view(np.uint16)) if _is_bf16(value.dtype) else value
     return np.ascontiguousarray(wide, dtype=np.float32)
-
-
-def _split(host, taps):
-    return (conv.tap_weights if taps else conv.weight_matrix)(host)
 
 
 class DecoderOps(CudaOps):
@@ -41,7 +37,6 @@ class DecoderOps(CudaOps):
         self._ahead = {}       # (tensor name, taps) -> the Future of its split (split_ahead)
         self.late_splits = 0   # splits made when asked for, none ahead
         self.split_wait_s = 0.0   # seconds the decodes waited for splits still being made ahead
-        self._split_started = False
 
     def param(self, tensors, name):
         key = (id(tensors), name)
@@ -54,20 +49,15 @@ class DecoderOps(CudaOps):
     def split_ahead(self, tensors):
         """Split every conv and projection weight the decoder reads (4-D: taps when k > 1; 2-D) on a host thread,
         in the tensors' order, so the first decode finds them made (its eager pass waits only for one not yet
-        done). Once per table: a later call does nothing."""
+        done)."""
         from concurrent.futures import ThreadPoolExecutor
-        if self._split_started:
-            return
-        self._split_started = True
-        names = [n for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")
-                 and np.asarray(tensors[n]).ndim in (2, 4)]
-        if not names:
-            return
+        shapes = {n: np.shape(tensors[n]) for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")}
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vae-split")
-        for name in names:
-            shape = np.asarray(tensors[name]).shape
-            taps = len(shape) == 4 and shape[2] > 1
-            self._ahead[(name, taps)] = worker.submit(lambda n=name, t=taps: _split(_float32(tensors, n), t))
+        for name, shape in shapes.items():
+            if len(shape) in (2, 4):
+                taps = len(shape) == 4 and shape[2] > 1
+                self._ahead[(name, taps)] = worker.submit(
+                    lambda n=name, t=taps: split_weight_bits(_float32(tensors, n), t))
         worker.shutdown(wait=False)        # the thread ends once the queue is done
 
     def _host_split_weight(self, w, taps):
@@ -81,7 +71,7 @@ class DecoderOps(CudaOps):
             self.split_wait_s += time.perf_counter() - start
             return out
         self.late_splits += 1
-        return _split(_float32(tensors, name), taps)
+        return split_weight_bits(_float32(tensors, name), taps)
 
     def linear(self, x, w, b=None, residual=None, narrow=False):
         if residual is not None:
