@@ -25,7 +25,7 @@ def _python(code_or_args, sim=True, timeout=300):
 
 
 def test_every_simulator_kernel_passes_its_gate_and_every_control_is_caught():
-    # 258 s in a CI run of the suite; 428 s alone, an hour later, on the same 2-core machine
+    # 84 s in a CI run on 2 cores; with numba's polling scheduler (MOSS_SIM_BARRIER=poll) up to 428 s
     done = _python(["-m", "cuda_kernels.contract", "--size", "tiny"], timeout=1500)
     print(done.stdout)
     summary = re.search(r"(\d+) kernels, (\d+) pass; (\d+) controls, (\d+) caught", done.stdout)
