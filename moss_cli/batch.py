@@ -217,6 +217,12 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
     if order:         # the first picture's noise is drawn while the weights load and the first prompt encodes
         model = model_for("denoise")
         model.draw_noise_ahead(stages.noise_shape(model, options), order[0].seed, options.noise)
+        # the GPU's components made before the first encode: the encoder's and then the transformer's weights
+        # go to the GPU on the uploader's thread while the encoder's first pass runs (CudaOps.preload), and the
+        # decoder's weight splits run on a host thread (CudaDecoder)
+        for stage, part in (("encode", "encoder"), ("denoise", "transformer"), ("decode", "decoder")):
+            if model_for(stage).device == "cuda":
+                getattr(model_for(stage), part)
     negative_cache = {}
     number = 0
     for text, group in groups.items():
@@ -226,9 +232,6 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             for picture in {picture.prompt.index: picture for picture in group}.values():
                 artifacts.write(Path(keep) / keep_names(picture, several)[0], enc_bytes)
         enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
-        if number == 0 and model_for("decode").device == "cuda":     # the GPU decoder made after the transformer's
-            model_for("denoise").transformer          # load, so that its weights' splits (a host thread) run while
-            model_for("decode").decoder               # the pictures denoise (CudaDecoder)
         for picture in group:
             number += 1
             if several:

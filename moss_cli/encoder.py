@@ -133,6 +133,26 @@ class Qwen35Encoder:
     def w(self, name):
         return self.ops.param(self.tensors, name)
 
+    def weight_names(self):
+        """Every weight a forward reads through the op table, in the order it first asks for each: a name
+        (`w`), or a tuple of names read as one stack (`ws`). An op table can upload them all up front
+        (CudaOps.preload); the token embedding table is not among them (rows are gathered on the host)."""
+        out = []
+        for i, kind in enumerate(self.config["layer_types"]):
+            p = f"layers.{i}."
+            out.append(p + "input_layernorm.weight")
+            if kind == "full_attention":
+                a = p + "self_attn."
+                out += [tuple(a + f"{n}_proj.weight" for n in "qkv"), a + "o_proj.weight", a + "q_norm.weight",
+                        a + "k_norm.weight"]
+            else:
+                a = p + "linear_attn."
+                out += [a + "conv1d.weight", tuple(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
+                        a + "out_proj.weight", a + "A_log", a + "dt_bias", a + "norm.weight"]
+            out += [p + "post_attention_layernorm.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    p + "mlp.down_proj.weight"]
+        return out + ["norm.weight"]
+
     def ws(self, *names):
         return self.ops.params(self.tensors, names)
 

@@ -174,6 +174,26 @@ class MossTransformer:
     def _p(self, name):
         return self.ops.param(self.tensors, name)
 
+    def weight_names(self):
+        """Every weight the text refiner and a step read through the op table, in the order a first
+        picture asks for each (the refiner, then the step): a name, or a tuple of names read as one stack.
+        An op table can upload them all up front (CudaOps.preload)."""
+        out = ["text_embedder.proj.weight", "text_embedder.proj.bias"]
+        for b in range(TEXT_BLOCKS):
+            p = f"text_embedder.blocks.{b}."
+            out += [p + n for n in ("norm1.weight", "qkv.weight", "qkv.bias", "q_norm.weight", "k_norm.weight",
+                                    "proj.weight", "proj.bias", "norm2.weight", "ffn_up.weight", "ffn_up.bias",
+                                    "ffn_gate.weight", "ffn_gate.bias", "ffn_down.weight", "ffn_down.bias")]
+        for n in ("time_embedding.0", "time_embedding.2", "shared_block_modulation", "video_head_modulation",
+                  "video_embedder"):
+            out += [n + ".weight", n + ".bias"]
+        out += [f"layers.{i}.norm1.weight" for i in range(self.num_layers)] + ["final_norm_video.weight"]
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            out += [tuple(p + f"proj.{n}.weight" for n in "qkv"), p + "q_norm.weight", p + "k_norm.weight",
+                    p + "proj.o.weight", p + "norm2.weight", p + "proj.ffn_up_gate.weight", p + "proj.ffn_down.weight"]
+        return out + ["final_linear_video.weight"]
+
     # --- host tables, cached -----------------------------------------------------------------
     def _rope(self, h, w, length):
         key = (h, w, length)

@@ -10,8 +10,8 @@ through the pinned staging uploader (moss_cli/ops/cuda_upload.py). Runs:
             anyway) sync + posix_fadvise(DONTNEED) on every file of the folder, which evicts clean pages of
             files this user can open; the resident fraction (mincore) before and after is reported
   baseline  warm, the previous path: cuda.to_device per tensor from the memory map (pageable copies)
-  product   warm, the product's whole load: CudaEncoder.upload and CudaDenoiser.upload (eager one-token
-            passes: stacked weights, kernels compiled) and the VAE's params; kernels' compile time included
+  product   warm, the product's load: CudaEncoder.upload and CudaDenoiser.upload (their weight lists, stacks
+            included, handed to the uploader's thread) and the VAE's params, until every copy is done
 
     python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
@@ -173,7 +173,7 @@ def child(model, mode, staging_mb, buffers, threads):
 
 
 def _product(name, comp, kept):
-    """The product's load of one component (stages.py): the graphs' eager upload passes."""
+    """The product's load of one component (stages.py): its weight list handed to the uploader."""
     from moss_cli.checkpoint import expected_tensors
     if name == "text_encoder":
         from moss_cli.ops.cuda_table import cuda_encoder

@@ -4,9 +4,10 @@ stage, for each size twice (the second picture, another seed, reuses the loaded 
 graphs and the refined texts, and its noise is drawn on a host thread while the first denoises, as
 `moss-image` does with several seeds).
 
-Reports: seconds from process start to every weight on the GPU and to the first denoising step, each
-component's load split into its weights' bytes (the staging uploader's own seconds) and the rest (its eager
-pass: kernels loaded or compiled, product and attention plans, launches); per picture
+Reports: seconds from process start to the three components made (each hands its weights to the uploader's
+thread and returns), to the encoder's and the transformer's weights all on the GPU (their copies overlap the
+first encode's and the first step's eager passes, which load or compile the kernels and plan the products),
+and to the first denoising step; per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
 waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
@@ -109,6 +110,18 @@ def _uploaded(model_device):
     return dict(uploader().stats())
 
 
+def _landed(out, up):
+    """The encoder's and the transformer's weights through the uploader's thread (handed over as each component
+    was made, taken by the first passes as they came): when the last copy was done, and the thread's host time."""
+    if up is None or up["landed_at"] is None:
+        return
+    out["start_to_loaded_s"] = up["landed_at"] - START
+    out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
+    print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
+          f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
+          f"{up['wait_s']:.2f} s); first step at {out['start_to_first_step_s']:.2f} s", flush=True)
+
+
 def run(args):
     imported = time.perf_counter()
     clock = Clock()
@@ -118,28 +131,17 @@ def run(args):
     model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
-    parts, uploads = {}, {}
-    for part in ("encoder", "transformer", "decoder"):
+    parts = {}
+    for part in ("encoder", "transformer", "decoder"):     # as moss-image makes them, before the first encode
         t = time.perf_counter()
-        before = _uploaded(args.device)
         getattr(model, part)
-        if args.device == "cuda":
-            cuda.synchronize()
         parts[part] = time.perf_counter() - t
-        after = _uploaded(args.device)
-        if after is not None:        # the uploader's counters run on across components: this one's share
-            uploads[part] = {k: after[k] - before[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
-    loaded = time.perf_counter()
-    out = {"imports_s": imported - START, "load_s": loaded - imported, "load_parts_s": parts,
-           "load_parts_uploads": uploads,
-           "start_to_loaded_s": loaded - START,
+    made = time.perf_counter()
+    out = {"imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
+           "start_to_made_s": made - START, "start_to_loaded_s": made - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
-    print(f"weights on the GPU {loaded - START:.2f} s after process start (imports {imported - START:.2f} s; "
+    print(f"components made {made - START:.2f} s after process start (imports {imported - START:.2f} s; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) + ")", flush=True)
-    for part, up in uploads.items():
-        print(f"  {part}: {up['bytes'] / 1e9:.2f} GB through the uploader, host copies {up['host_s']:.2f} s, "
-              f"waits {up['wait_s']:.2f} s; the rest of its load {parts[part] - up['host_s'] - up['wait_s']:.2f} s",
-              flush=True)
     folder = Path(args.out).parent
     folder.mkdir(parents=True, exist_ok=True)
     for size in args.sizes:
@@ -171,6 +173,7 @@ def run(args):
             row.update(_parts(model, lat, png, size, opts.seed))
             if clock.first_step is not None and not out["pictures"]:
                 out["start_to_first_step_s"] = clock.first_step - START
+                _landed(out, _uploaded(args.device))
             out["pictures"].append(row)
             if png and rep == 0:
                 (folder / f"picture-{size}.png").write_bytes(png)

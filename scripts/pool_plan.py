@@ -113,11 +113,11 @@ def _shapes_only():
     def fake(shape, dtype):
         return FakeCUDAArray(np.broadcast_to(np.zeros((), dtype), tuple(shape)))
 
-    def param(self, tensors, name):
+    def param(self, tensors, name, later=False):
         shape = tensors[name].shape
         return self._params.setdefault((id(tensors), name), fake(shape, np.uint16 if len(shape) == 2 else np.float32))
 
-    def params(self, tensors, names):
+    def params(self, tensors, names, later=False):
         sizes = [tensors[n].shape[0] for n in names]
         key = (id(tensors), tuple(names))
         return self._params.setdefault(key, Stacked(fake((sum(sizes), tensors[names[0]].shape[1]), np.uint16), sizes))

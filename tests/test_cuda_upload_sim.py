@@ -2,7 +2,9 @@
 host arrays bit for bit, for arrays larger than a staging buffer, many small ones packed together, bf16,
 float32, non-contiguous and stacked (`out=`) ones; and with device copies held back until an event or a
 synchronize forces them (as a real asynchronous copy may be), so a staging buffer refilled too early shows.
-CudaOps.param / params through it keep the 2-D bf16 rule."""
+CudaOps.param / params through it keep the 2-D bf16 rule, and CudaOps.preload hands weights to the feeder
+thread without waiting while a weight taken later waits for its own copies (control: one taken without
+waiting reads an unfilled array)."""
 
 import os
 import subprocess
@@ -156,6 +158,45 @@ want = np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16)
 assert st.sizes == (70, 40, 9) and np.array_equal(st.weight.copy_to_host(), want)
 assert cuda_upload._SHARED.stats()["arrays"] == 7, "CudaOps did not upload through the shared uploader"
 print("ok cuda ops")
+
+# preload: the feeder holds back until released; preload returns at once, a weight taken before the release
+# waits for its copies, and every taken weight holds its bytes
+import threading
+class HeldBack(Uploader):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate, self.fed = threading.Event(), []
+
+    def to_device_later(self, host, out=None):
+        out, queued = super().to_device_later(host, out)
+        out.copy_to_device(np.full(out.shape, 0x7FC0 if out.dtype == np.uint16 else np.nan, out.dtype))  # unfilled
+        return out, queued
+
+    def _send(self, src, dst):
+        self.gate.wait()
+        self.fed.append(src.size)
+        super()._send(src, dst)
+
+def preloaded(ops_class):
+    up = cuda_upload._SHARED = HeldBack(staging_bytes=4096, buffers=2, threads=2)
+    ops = ops_class()
+    ops.preload(stored, ["f3", ("q", "w2", "k"), "w2"])
+    assert up.fed == [] and len(ops._landing) == 3, "preload waited for the feeder"
+    threading.Timer(0.2, up.gate.set).start()
+    got = ops.param(stored, "f3").copy_to_host(), ops.params(stored, ["q", "w2", "k"]).weight.copy_to_host()
+    up.finish()
+    return got
+
+f3, st = preloaded(CudaOps)
+assert np.array_equal(f3, stored["f3"]) and np.array_equal(st, want), "a preloaded weight differs"
+print("ok preload")
+# control: an op table that takes a preloaded weight without waiting for its copies reads it unfilled
+class Hasty(CudaOps):
+    def _landed(self, key):
+        self._landing.pop(key, None)
+f3, st = preloaded(Hasty)
+assert not np.array_equal(f3, stored["f3"]), "taking a weight before its copies is not caught"
+print("ok hasty taker caught")
 print("all uploads equal")
 '''
 

@@ -46,11 +46,10 @@ class CudaDenoiser:
         self.texts = RefinedTexts(self.model.prepare_text, own=_owned)
 
     def upload(self):
-        """Every weight to the device (bf16 matrices as bf16), kernels compiled: one eager pass on a 2x2-token
-        image and an 8-token text."""
-        text = self.model.prepare_text(np.zeros((8, self.config["text_dim"]), np.float32))
-        self.model.velocity(np.zeros((1, self.config["latent_channels"], 2, 2), np.float32), 1000.0, text)
-        cuda.synchronize()
+        """Every weight handed to the uploader (bf16 matrices as bf16), in the order the refiner and a step
+        read them; returns at once. The first refiner and the first step's eager pass take each weight as its
+        copies are queued, and compile (or load) the kernels meanwhile."""
+        self.ops.preload(self.model.tensors, self.model.weight_names())
 
     def prepare_text(self, rows):
         """The text refiner on one prompt's rows (eager), once per distinct rows (RefinedTexts)."""

@@ -94,6 +94,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         self.stream = 0
         self.capturing = False
         self._params = {}
+        self._landing = {}      # param key -> the uploader's future of a weight not yet taken (preload)
         self.pool = shared_pool()
         self.kept = []          # host uploads made while capturing: the graph reads them later
         self.gathered = None    # the last device buffer embedding() read: held until the next one, so it
@@ -146,11 +147,34 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         return out
 
     # --- data movement ------------------------------------------------------------------------
-    def param(self, tensors, name):
-        """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32."""
+    def preload(self, tensors, names):
+        """Hand every weight in `names` (a name: `param`; a tuple of names: `params`) to the uploader's feeder
+        thread and return at once; each op that reads one later waits only until its own copies are queued,
+        so a first pass computes while the weights after its current one are still being read from disk."""
+        for name in names:
+            if isinstance(name, tuple):
+                self.params(tensors, name, later=True)
+            else:
+                self.param(tensors, name, later=True)
+
+    def _landed(self, key):
+        """The preloaded weight `key` may be read now: its copies queued (ordered before later stream 0 work),
+        and done when capturing (a graph's stream is not ordered after the uploader's)."""
+        queued = self._landing.pop(key, None)
+        if queued is not None:
+            queued.result()
+            if self.capturing:
+                from .cuda_upload import uploader
+                uploader().finish()
+
+    def param(self, tensors, name, later=False):
+        """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32.
+        `later`: handed to the uploader's feeder without waiting (`preload`)."""
         key = (id(tensors), name)
         out = self._params.get(key)
         if out is not None:
+            if not later:
+                self._landed(key)
             return out
         value = tensors[name]
         if not isinstance(value, np.ndarray) and hasattr(value, "__cuda_array_interface__"):
@@ -161,20 +185,25 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
             from .cuda_upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
             host = np.asarray(value)
             if host.ndim == 2:
-                bits = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
-                out = uploader().to_device(bits, wait=self.capturing)
+                host = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
             else:
-                wide = from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host
-                out = uploader().to_device(np.asarray(wide, dtype=np.float32), wait=self.capturing)
+                host = np.asarray(from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host,
+                                  dtype=np.float32)
+            out, self._landing[key] = uploader().to_device_later(host)
         self._params[key] = out
+        if not later:
+            self._landed(key)
         return out
 
-    def params(self, tensors, names):
-        """2-D weights stacked into one bf16 matrix [sum of rows, in] on the device, built once."""
+    def params(self, tensors, names, later=False):
+        """2-D weights stacked into one bf16 matrix [sum of rows, in] on the device, built once.
+        `later`: handed to the uploader's feeder without waiting (`preload`)."""
         names = tuple(names)
         key = (id(tensors), names)
         out = self._params.get(key)
         if out is not None:
+            if not later:
+                self._landed(key)
             return out
         values = [tensors[n] for n in names]
         sizes = [v.shape[0] for v in values]
@@ -184,8 +213,8 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
             from .cuda_upload import uploader    # each part straight into its rows, no host concatenation
             weight = cuda.device_array((sum(sizes), bits[0].shape[1]), np.uint16)
             row = 0
-            for part in bits:
-                uploader().to_device(part, out=weight[row:row + part.shape[0]], wait=self.capturing)
+            for part in bits:          # the feeder takes them in order: the last one queued, all are
+                _, self._landing[key] = uploader().to_device_later(part, out=weight[row:row + part.shape[0]])
                 row += part.shape[0]
         else:
             weight = cuda.device_array((sum(sizes), values[0].shape[1]), np.uint16)
@@ -198,6 +227,8 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
                 weight[row:row + part.shape[0]].copy_to_device(part)
                 row += part.shape[0]
         out = self._params[key] = Stacked(weight, sizes)
+        if not later:
+            self._landed(key)
         return out
 
     def array(self, x):
@@ -584,10 +615,10 @@ class CudaEncoder:
         self.timings = {}
 
     def upload(self):
-        """Weights to the device as the graph reads them (stacked where it reads them together): one
-        eager pass over a one-token prompt, which also compiles the kernels."""
-        self.model(np.zeros(1, dtype=np.int64))
-        cuda.synchronize()
+        """Every weight the graph reads handed to the uploader (stacked where it reads them together), in the
+        order a forward reads them; returns at once. The first bucket's eager pass takes each weight as its
+        copies are queued, and compiles (or loads) the kernels meanwhile."""
+        self.ops.preload(self.tensors, self.model.weight_names())
 
     def host_rows(self, n):
         """A pinned host array for n rows (float32 [n, hidden]): as `out`, the rows' copy is one DMA at the

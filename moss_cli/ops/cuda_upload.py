@@ -12,16 +12,24 @@ bf16 stays bf16 bits (uint16), float32 stays float32.
 
 Order: the uploader's stream is a blocking stream (numba's cuda.stream()), so work queued later on the
 legacy default stream (stream 0, where CudaOps runs eagerly) waits for the copies already queued; any other
-stream must call `finish()` (or `wait(stream)`) before reading an uploaded array. `to_device` returns as
+stream must call `finish()` before reading an uploaded array. `to_device` returns as
 soon as the host array's bytes are in a staging buffer: the host array may go away then.
+
+One feeder thread does all of that, array after array in the order they were handed over, so the caller
+need not wait: `to_device_later` returns the device array at once with a future that completes when its
+copies are queued (from then on stream 0 work is ordered after them), and a component's whole weight list can
+be handed over up front while the caller's thread goes on (kernels, plans) and takes each weight as it
+needs it. `to_device` is the same, waiting for its own future.
 
     up = uploader()                      # the process-wide one (pinned buffers made on first use)
     dev = up.to_device(host)             # a new device array with host's shape and dtype
     up.to_device(host, out=dev_slice)    # into an existing contiguous device array of the same bytes
+    dev, queued = up.to_device_later(host)   # at once; queued.result() once the copies must be queued
     up.finish()                          # every queued copy done; returns the stats
 """
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,15 +59,30 @@ class Uploader:
         self._pool = None
         self._current = 0           # the buffer being filled
         self._cursor = 0            # bytes of it used since it was last recycled
+        self._feeder = None         # the one thread that fills and queues, in hand-over order
+        self._futures = []          # hand-overs not yet seen done by finish()
+        self._lock = threading.Lock()
+        self._handed = self._fed = 0
         self.reset_stats()
 
     # --- the API -------------------------------------------------------------------------------
     def to_device(self, host, out=None, wait=False):
-        """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits).
+        """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits),
+        returned once its copies are queued (after every array handed over before it).
 
         `out`: a C-contiguous device array of the same number of bytes to copy into (a row slice of a
         stacked weight, say); returned. `wait`: return only after the copy has finished (`finish`).
         """
+        out, queued = self.to_device_later(host, out)
+        queued.result()
+        if wait:
+            self.finish()
+        return out
+
+    def to_device_later(self, host, out=None):
+        """(device array, future) at once: the feeder thread fills the staging buffers from `host` and queues
+        the copies after those of every array handed over before; the future completes then (or raises what
+        the feeder met). Until it completes, nothing may read the device array, nor may `host` change."""
         host = np.asarray(host)
         if host.dtype.name == "bfloat16":
             host = host.view(np.uint16)
@@ -70,25 +93,20 @@ class Uploader:
         elif out.size * out.dtype.itemsize != host.nbytes or not out.is_c_contiguous():
             raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
                              f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
-        if host.nbytes:
-            self._start()
-            src = host.reshape(-1).view(np.uint8)
-            dst = out.reshape(out.size).view(np.uint8)
-            self._send(src, dst)
-            self.arrays += 1
-        if wait:
-            self.finish()
-        return out
-
-    def wait(self, stream):
-        """Make `stream` (a numba stream) wait for every copy queued so far, without blocking the host."""
-        if self._stream is not None:
-            done = _event()
-            done.record(self._stream)
-            done.wait(stream)
+        self._start()
+        src = host.reshape(-1).view(np.uint8)
+        dst = out.reshape(out.size).view(np.uint8) if host.nbytes else None
+        with self._lock:
+            self._handed += 1
+        queued = self._feeder.submit(self._feed, src, dst)
+        self._futures.append(queued)
+        return out, queued
 
     def finish(self):
-        """Block until every queued copy is on the device; the stats so far (see `stats`)."""
+        """Block until every array handed over is on the device; the stats so far (see `stats`)."""
+        futures, self._futures = self._futures, []
+        for queued in futures:          # in order; the first the feeder failed on raises here
+            queued.result()
         if self._stream is not None:
             start = time.perf_counter()
             self._stream.synchronize()
@@ -100,24 +118,26 @@ class Uploader:
 
     def stats(self):
         """bytes and arrays sent, seconds from the first array to the last `finish`, bytes per second,
-        and where the host's time went (host_s: copies into staging; wait_s: waiting for the device)."""
+        and where the feeder's time went (host_s: copies into staging; wait_s: waiting for the device);
+        landed_at: time.perf_counter() when the feeder last ran out of work and found every copy done."""
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": self.copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None,
-                "host_s": self.host_s, "wait_s": self.wait_s,
+                "host_s": self.host_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
                 "staging_bytes": self.staging_bytes, "buffers": self.buffers, "threads": self.threads}
 
     def reset_stats(self):
         self.bytes = self.arrays = self.copies = 0
         self.host_s = self.wait_s = 0.0
         self.seconds = 0.0
-        self.began = None
+        self.began = self.landed_at = None
 
     def close(self):
         """Finish, then free the pinned buffers, the stream and the threads (made again on next use)."""
         self.finish()
-        if self._pool is not None:
-            self._pool.shutdown()
-        self._staging = self._events = self._stream = self._pool = None
+        for pool in (self._feeder, self._pool):
+            if pool is not None:
+                pool.shutdown()
+        self._staging = self._events = self._stream = self._pool = self._feeder = None
         self._current = self._cursor = 0
 
     # --- the pipeline --------------------------------------------------------------------------
@@ -131,6 +151,22 @@ class Uploader:
             self._free = [_event() for _ in range(self.buffers)]
             if self.threads > 1:
                 self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="upload")
+            self._feeder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upload-feeder")
+
+    def _feed(self, src, dst):
+        """The feeder's job for one array: its pieces through the staging buffers; when no array is left to
+        feed, it waits for the copies to finish and notes the time (landed_at)."""
+        try:
+            if dst is not None:
+                self._send(src, dst)
+                self.arrays += 1
+        finally:
+            with self._lock:
+                self._fed += 1
+                idle = self._fed == self._handed
+        if idle:
+            self._stream.synchronize()
+            self.landed_at = time.perf_counter()
 
     def _send(self, src, dst):
         """src (host uint8) -> dst (device uint8 view) in pieces that fit the staging buffers."""

@@ -105,3 +105,28 @@ def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path)
         assert done.code == 0, done.stderr
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_the_first_passes_take_only_the_weights_their_uploads_handed_over(component):
+    """CudaEncoder.upload and CudaDenoiser.upload hand every weight to the uploader's thread up front: the
+    first encode and a first CFG trajectory with a skipped block add no weight of their own, and take every
+    one handed over (the CPU test test_weight_names.py holds the lists to the numpy forward)."""
+    from moss_cli.checkpoint import open_checkpoint
+    from moss_cli.ops.cuda_denoiser import CudaDenoiser
+    from moss_cli.ops.cuda_table import cuda_encoder
+    from moss_cli.ops.cuda_upload import uploader
+    enc = cuda_encoder(component)
+    handed = set(enc.ops._params)
+    assert len(enc.ops._landing) == len(handed) > 0
+    enc(_ids(5))
+    assert set(enc.ops._params) == handed and not enc.ops._landing
+    comp = open_checkpoint().component("transformer")
+    dit = CudaDenoiser(comp.tensors, comp.config)
+    dit.upload()
+    handed = set(dit.ops._params)
+    rows = np.random.default_rng(0).standard_normal((7, 32)).astype(np.float32)
+    noise = np.random.default_rng(1).standard_normal((1, 128, 2, 2)).astype(np.float32)
+    dit.sample(noise, np.array([1.0, 0.5, 0.0], np.float32), dit.prepare_text(rows), dit.prepare_text(rows[:5]),
+               3.0, (1,), 0.0, 1.0)
+    assert set(dit.ops._params) == handed and not dit.ops._landing
+    assert uploader().stats()["landed_at"] is not None
