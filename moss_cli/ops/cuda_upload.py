@@ -29,7 +29,6 @@ needs it. `to_device` is the same, waiting for its own future.
 """
 
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,11 +42,6 @@ THREADS = min(8, os.cpu_count() or 1)   # host copy threads per piece
 PIECE_BYTES = 4 << 20       # the smallest host copy handed to a thread
 SIMULATED = bool(config.ENABLE_CUDASIM)
 ALIGN = 256                 # each packed array starts at a multiple of this in its staging buffer
-# The interpreter's GIL hand-over interval while the feeder has work (Python's default is 5 ms). The copy
-# threads release the GIL while they copy and need it back for a moment after each piece; with the caller's
-# thread running Python (a first pass) at the default, each of those moments waited for its interval, and the
-# host copies of the 24 GB took 2.1-2.4 s against 1.1-1.2 s with the caller waiting (H100, 2533bcf).
-SWITCH_S = 0.0005
 
 
 class Uploader:
@@ -69,7 +63,6 @@ class Uploader:
         self._futures = []          # hand-overs not yet seen done by finish()
         self._lock = threading.Lock()
         self._handed = self._fed = 0
-        self._switch = None         # the interpreter's switch interval to restore when the feeder runs out of work
         self.reset_stats()
 
     # --- the API -------------------------------------------------------------------------------
@@ -104,9 +97,6 @@ class Uploader:
         src = host.reshape(-1).view(np.uint8)
         dst = out.reshape(out.size).view(np.uint8) if host.nbytes else None
         with self._lock:
-            if self._handed == self._fed and self._switch is None:      # the feeder starts on new work
-                self._switch = sys.getswitchinterval()
-                sys.setswitchinterval(min(SWITCH_S, self._switch))
             self._handed += 1
         queued = self._feeder.submit(self._feed, src, dst)
         self._futures.append(queued)
@@ -174,9 +164,6 @@ class Uploader:
             with self._lock:
                 self._fed += 1
                 idle = self._fed == self._handed
-                if idle and self._switch is not None:
-                    sys.setswitchinterval(self._switch)
-                    self._switch = None
         if idle:
             self._stream.synchronize()
             self.landed_at = time.perf_counter()
