@@ -191,16 +191,11 @@ class Uploader:
         n = src.size
         parts = min(self.threads, n // PIECE_BYTES) if self._pool is not None else 1
         if parts <= 1:
-            _populate(src)
             np.copyto(stage, src)
         else:
             bounds = [n * i // parts for i in range(parts + 1)]
-
-            def copy(i):
-                part = src[bounds[i]:bounds[i + 1]]
-                _populate(part)
-                np.copyto(stage[bounds[i]:bounds[i + 1]], part)
-            list(self._pool.map(copy, range(parts)))
+            list(self._pool.map(lambda i: np.copyto(stage[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                                range(parts)))
         self.host_s += time.perf_counter() - start
 
     def _copy(self, dst, stage):
@@ -222,31 +217,6 @@ class Uploader:
             pending.synchronize()
             self.wait_s += time.perf_counter() - start
             self._events[self._current] = None
-
-
-MADV_POPULATE_READ = 22     # Linux 5.14 on: map a range's pages (reading them in) in one call
-POPULATE = os.environ.get("MOSS_UPLOAD_POPULATE", "1") != "0"
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_madvise = []
-
-
-def _populate(a):
-    """Map the pages under host array `a` (a memory-mapped checkpoint's bytes) in one madvise call before
-    they are copied, instead of one page fault a 4 KB page; a kernel without MADV_POPULATE_READ refuses it and
-    the copy faults them in as before. MOSS_UPLOAD_POPULATE=0 leaves it out."""
-    if not POPULATE or a.nbytes == 0:
-        return
-    if not _madvise:
-        import ctypes
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise.append(libc.madvise)
-        except (OSError, AttributeError):
-            _madvise.append(None)
-    if _madvise[0] is not None:
-        start = a.ctypes.data & ~(_PAGE - 1)
-        _madvise[0](start, a.ctypes.data + a.nbytes - start, MADV_POPULATE_READ)
 
 
 def _event():
