@@ -268,3 +268,41 @@ def test_each_picture_takes_the_noise_drawn_ahead_of_it(tmp_path, monkeypatch):
                           None, Silent()))
     assert len(done) == 4
     assert taken == [(7, 7), (11, 11), (7, 7), (11, 11)]      # the first drawn before the first encode
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_on_the_gpu_every_component_is_made_before_the_first_encode(tmp_path, monkeypatch, device):
+    """With `--device cuda`, moss-image makes the encoder, the transformer and the decoder in that order before
+    it encodes the first prompt (their loads hand their weights to the uploader's thread, so the transformer's
+    copies overlap the first encode); on the CPU each is made when its stage first needs it (the control: the
+    same run with the device named cpu has made none but the encoder when it encodes)."""
+    from moss_cli import stages
+    from moss_cli.checkpoint import open_checkpoint
+    from moss_cli.progress import Silent
+    cpu, made = stages.Model(open_checkpoint()), []
+
+    class Named:
+        """The CPU model under another device name, noting each component's first use."""
+        def __init__(self):
+            self.device = device
+
+        def __getattr__(self, name):
+            if name in ("encoder", "transformer", "decoder") and name not in made:
+                made.append(name)
+            return getattr(cpu, name)
+
+    class Encoding(Exception):
+        pass
+
+    def encode(model, *args, **kwargs):
+        model.encoder
+        raise Encoding(list(made))
+
+    monkeypatch.setattr(stages, "encode", encode)
+    pictures = batch.plan("a red fox", None, ["7"], str(tmp_path / "f.png"))
+    options = stages.SamplingOptions(seed=0, width=32, height=32, steps=1)
+    model = Named()
+    with pytest.raises(Encoding) as at_encode:
+        list(batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, cpu.fingerprint, None,
+                       Silent()))
+    assert at_encode.value.args[0] == (["encoder", "transformer", "decoder"] if device == "cuda" else ["encoder"])
