@@ -15,6 +15,7 @@ through the pinned staging uploader (moss_cli/ops/cuda_upload.py). Runs:
 
     python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
+    python scripts/gpu_load.py MODEL_DIR --evict      (the page cache emptied as for a cold run, nothing else)
 
 --sweep adds warm runs with other staging sizes, buffer counts and thread counts.
 """
@@ -245,6 +246,9 @@ def main(argv=None):
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--evict", action="store_true",
+                   help="only empty the page cache of the folder's weight files (before another script's process "
+                        "on a cold cache) and say how much of them stays cached")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -258,6 +262,11 @@ def main(argv=None):
     cached, total = resident(files)
     print(f"{args.model}: {len(files)} weight files, {total / 1e9:.2f} GB, {cached / total:.0%} in the page cache",
           flush=True)
+    if args.evict:
+        report = evict(files)
+        print(f"evicted ({report['drop_caches']}; {report['evict_s']:.1f} s): {resident(files)[0] / total:.0%} "
+              "still in the page cache", flush=True)
+        return
     modes = [mode.strip() for mode in args.runs.split(",") if mode.strip()]
     plan = [(mode, args.staging_mb, args.buffers, args.threads) for mode in modes]
     if args.sweep:

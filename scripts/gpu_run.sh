@@ -10,7 +10,8 @@
 # dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
-# PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt), tables (BENCHMARKS.md's
+# PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
+# cache, picture_cold.json), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -93,6 +94,11 @@ for step in "$@"; do
             if [ -n "${PICTURE_PROFILE:-}" ]; then     # a third process under cProfile: where its host time goes
               $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_profiled.json" --sizes 512 --steps 2 \
                 --host-profile "$OUT/picture_profile.txt" 2>&1 | tee -a "$OUT/picture.txt"
+            fi
+            if [ -n "${PICTURE_COLD:-}" ]; then        # then one on a cold page cache: the folder's files evicted first
+              $limit python3 scripts/gpu_load.py "$model" --evict 2>&1 | tee -a "$OUT/picture.txt"
+              $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_cold.json" --sizes 512 --steps 4 2>&1 \
+                | tee -a "$OUT/picture.txt"
             fi
           fi ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;

@@ -41,3 +41,20 @@ def test_load_runs_move_every_expected_tensor(tmp_path):
     assert runs["warm"]["uploader"]["bytes"] == sum(want.values())
     assert runs["baseline"]["uploader"]["bytes"] == 0
     assert summary["best_warm"]["staging_mb"] == 1
+
+
+def test_evict_alone_empties_the_folders_weight_files_and_runs_nothing(monkeypatch, capsys):
+    """`gpu_load.py MODEL --evict` (the picture step's cold process comes after it): the folder's weight files
+    go to `evict`, and no load runs; the eviction itself is stood in for (it would empty this machine's cache)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_load
+    finally:
+        sys.path.pop(0)
+    model = ROOT / "moss_cli" / "tiny"
+    evicted = []
+    monkeypatch.setattr(gpu_load, "evict", lambda files: evicted.append(files) or {"drop_caches": "ok", "evict_s": 0.0})
+    monkeypatch.setattr(gpu_load, "run_child", lambda *args: pytest.fail("--evict ran a load"))
+    gpu_load.main([str(model), "--evict"])
+    assert evicted == [sorted(model.rglob("*.safetensors"))] and len(evicted[0]) == 4     # the transformer in two
+    assert "still in the page cache" in capsys.readouterr().out
