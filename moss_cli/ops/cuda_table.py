@@ -171,11 +171,14 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32.
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
         key = (id(tensors), name)
-        out = self._params.get(key)
-        if out is not None:
-            if not later:
-                self._landed(key)
-            return out
+        if key not in self._params:
+            self._params[key] = self._upload_param(tensors, name, key)
+        if not later:
+            self._landed(key)
+        return self._params[key]
+
+    def _upload_param(self, tensors, name, key):
+        """param's device array, made once (its copies handed to the uploader under `key` in _landing)."""
         value = tensors[name]
         if not isinstance(value, np.ndarray) and hasattr(value, "__cuda_array_interface__"):
             out = cuda.as_cuda_array(value)
@@ -190,9 +193,6 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
                 host = np.asarray(from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host,
                                   dtype=np.float32)
             out, self._landing[key] = uploader().to_device_later(host)
-        self._params[key] = out
-        if not later:
-            self._landed(key)
         return out
 
     def params(self, tensors, names, later=False):
@@ -200,11 +200,14 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
         names = tuple(names)
         key = (id(tensors), names)
-        out = self._params.get(key)
-        if out is not None:
-            if not later:
-                self._landed(key)
-            return out
+        if key not in self._params:
+            self._params[key] = self._upload_stack(tensors, names, key)
+        if not later:
+            self._landed(key)
+        return self._params[key]
+
+    def _upload_stack(self, tensors, names, key):
+        """params' Stacked, made once (the host parts' copies handed to the uploader, the last under `key`)."""
         values = [tensors[n] for n in names]
         sizes = [v.shape[0] for v in values]
         if all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
@@ -226,10 +229,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
                     raise TypeError(f"{name}: a stacked weight must be bf16 bits")
                 weight[row:row + part.shape[0]].copy_to_device(part)
                 row += part.shape[0]
-        out = self._params[key] = Stacked(weight, sizes)
-        if not later:
-            self._landed(key)
-        return out
+        return Stacked(weight, sizes)
 
     def array(self, x):
         # a fresh copy: its strides are canonical (a view's size-1 axes may carry stride 0, which numba's
