@@ -190,7 +190,7 @@ def norm_modulate_bound(x, w, shift, scale, d):
 QK_WIDTH = 4
 # Heads a team takes in a row (qk_group: the largest divisor of the heads up to this): the token's cos and sin
 # and the weights at the thread's elements are read once for them, not once a head (gpu_dit.py times one head a
-# team beside it; BENCHMARKS.md).
+# team beside it: 184.2 against 181.2 ms a 1024 step, results/h200/dit-6f7f332.json).
 QK_GROUP = 8
 
 

@@ -19,7 +19,7 @@ from .mma import clock
 
 # (threads per state column, threads per block, tokens per tile, tokens per group, state columns per thread)
 # for the delta rule (fit_geometry adapts it to the key dim). On the H200 groups of 2 or more tokens measured
-# slower than token by token (BENCHMARKS.md, the delta rule alone); the simulator pays per thread, so it gets
+# slower than token by token (scripts/gpu_bench_delta.py); the simulator pays per thread, so it gets
 # one warp, short tiles, groups of 2 and two columns a thread (so CI runs the group and column algebra).
 GEOMETRY = (2, 32, 4, 2, 2) if SIMULATED else (8, 256, 16, 1, 1)
 CONV_TOKENS = 2 if SIMULATED else 16  # tokens per thread in the conv
@@ -37,7 +37,7 @@ def conv_steps(width):
     @jit(device=True, forceinline=True)
     def load(x, w, ch, t0, taps, window, reverse):
         # unsigned indices: numba wraps negative signed ones, a dozen 64-bit integer instructions a load
-        # (Nsight Compute: half of gdn_inputs' instructions were integer ones; BENCHMARKS.md). Every load reads a row
+        # (Nsight Compute: half of gdn_inputs' instructions were integer ones). Every load reads a row
         # clamped into the prompt and the select zeroes those outside it.
         n = x.shape[0]
         uch = uint64(ch)
@@ -90,9 +90,9 @@ def _make_delta_rule(control, dk, parts, threads, tile, group, cols=1, timed=Fal
     Every thread reads its rows of each token's k and q from shared memory; with `cols` columns a thread
     those reads serve cols columns, so a block's shared-memory traffic per token is 1 / cols of one
     column a thread (its k and q values, 2 dk words per column, are most of the loop's traffic). On the
-    H200 two columns a thread ran as fast as one (BENCHMARKS.md, the delta rule alone): that traffic is not
+    H200 two columns a thread ran as fast as one (scripts/gpu_bench_delta.py): that traffic is not
     what bounds the loop, and the default keeps one. What does is each warp's latency per token (Nsight
-    Compute, BENCHMARKS.md): its first products waited on the token's k and q loads, so groups go in pairs
+    Compute, scripts/gpu_ncu_kernels.py): its first products waited on the token's k and q loads, so groups go in pairs
     through two register sets (`advance`), the next group's loads in flight while one runs.
 
     A thread keeps rows 4 part + {0..3}, 4 (part + parts) + {0..3}, ... of its column: it reads k and q

@@ -33,7 +33,7 @@ SUB = 2 if SIMULATED else 16             # rows of the triangular solve's diagon
 # A third element "strip" selects the register-blocked walk (_make_walk): each warp a 16 x 32 strip of
 # four n tiles, one A fragment read per k step for four mma. It needs columns in 32s and an even warp count.
 # The GPU default is the register-blocked strip walk: faster than the tile walk (32, 512) on the H200
-# (BENCHMARKS.md, the delta rule alone).
+# (scripts/gpu_bench_delta.py).
 WALK = (16, 64) if SIMULATED else (32, 512, "strip")
 WALK_STRIP = (32, 64, "strip") if SIMULATED else (32, 512, "strip")
 VARIANTS = ("tile", "strip")

@@ -36,7 +36,7 @@ def _make(control, width, dk, qk_heads):
     a block whose tokens all lie in the prompt stores without per-token checks, and each token's scale
     1 / |y| is computed once a block (by thread j for token j) rather than by every thread: with per-token
     checks and signed indices Nsight Compute found the kernel bound by issue, half of its instructions
-    integer ones (BENCHMARKS.md, kernel counters)."""
+    integer ones (scripts/gpu_ncu_kernels.py)."""
     span, load, output = conv_steps(width)
     warps = max(1, dk // 32)
     shared = dk if SIMULATED else TOKENS * warps     # the simulator's team_sum needs a float per thread

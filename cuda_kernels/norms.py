@@ -29,7 +29,7 @@ def _load_row(team, per, exact=False):
     exact: rows of exactly team x per elements, so no element needs a bounds check (a row past the end
     reads the last row, its values unused but for its own team's sum). With the checks Nsight Compute found
     rms_norm's instructions mostly integer ones: the 64-bit compares of three checks an element
-    (BENCHMARKS.md, kernel counters)."""
+    (scripts/gpu_ncu_kernels.py)."""
     @jit(device=True, forceinline=True)
     def load_row(x, vals):
         rows = x.shape[0] * x.shape[1]

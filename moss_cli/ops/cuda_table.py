@@ -38,7 +38,7 @@ from .cuda_pool import Pool
 MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
 # by token (gdn). On the H200 at the 9B shapes the token recurrence is the faster at 112 tokens and the
-# chunked form at 1024 (BENCHMARKS.md, the delta rule alone); measured at 256 tokens too, they cross near
+# chunked form at 1024 (scripts/gpu_bench_delta.py); measured at 256 tokens too, they cross near
 # 150 tokens.
 CHUNK_FROM = 160
 # Prompt length up to which `prefetch` reads the next product's weight into L2 beside the kernels before
@@ -112,12 +112,12 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         # products whose outputs only feed elementwise kernels (linears(narrow=True): the MLP's gate and
         # up) may write bf16 rather than float32, as transformers' bf16 does. With swiglu reading 8-byte
         # words (4 bf16 at a time) that is no slower at 100 or 1000 tokens, and the final rows' error stays
-        # about half of transformers' bf16 (BENCHMARKS.md, encoder variants): on
+        # about half of transformers' bf16 (scripts/gpu_encoder_9b.py's variants): on
         self.narrow_products = True
         self.fuse_norm_rope = True     # q/k norm and rope in one kernel (norms.rms_norm_rope) where rows fit
         self.packed_swiglu = True      # swiglu on 8-byte words where rows allow (elementwise._words)
         # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit: the whole encode on the H200
-        # is no slower than with the three kernels it replaces (BENCHMARKS.md, encoder variants): on
+        # is no slower than with the three kernels it replaces (scripts/gpu_encoder_9b.py's variants): on
         self.fuse_gdn_inputs = True
         self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
         self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
@@ -629,8 +629,8 @@ class CudaEncoder:
         """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape,
         best one from `host_rows`, which the caller keeps). The copy of the prompt's rows is queued on the
         graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
-        time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA;
-        BENCHMARKS.md)."""
+        time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA,
+        measured on the H200)."""
         ids = check_ids(ids, self.config["vocab_size"]).astype(np.int64)
         if not self.graphs or on_layer is not None:
             return self.model(ids, on_layer=on_layer)
