@@ -211,12 +211,11 @@ def _make_zero():
     return zero
 
 
-def _make_absmax(control, norm=False):
+def _make_absmax(control):
     @jit
-    def absmax(x, peak, stats, w, b):
+    def absmax(x, peak):
         """peak[0] = max(peak[0], max |x|) over x [rows, plane] (peak zeroed before): blocks of blockIdx.y's rows,
-        blockIdx.x's share of each row; norm: of silu(group_norm(x)) for x [C, H W], the group statistics in
-        stats (_gn_silu's formula with the channel's constants read once)."""
+        blockIdx.x's share of each row."""
         sh = cuda.shared.array(BLOCK, float32)
         tid = cuda.threadIdx.x
         plane = int32(x.shape[1])
@@ -224,14 +223,8 @@ def _make_absmax(control, norm=False):
         step = int32(cuda.gridDim.x * BLOCK)
         m = float32(0.0)
         for r in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
-            if norm:
-                g = r // (w.shape[0] // stats.shape[0])
-                mean, k, bias = stats[g, 0], w[r] * stats[g, 1], b[r]
             for j in range(first, plane, step):
                 v = x[r, j]
-                if norm:
-                    y = (v - mean) * k + bias
-                    v = y / (float32(1.0) + math.exp(min(-y, float32(80.0))))
                 m = max(m, v if control else abs(v))
         sh[tid] = m
         cuda.syncthreads()
@@ -400,48 +393,88 @@ def _make_finish(control):
 
 def _make_gn_sums(control):
     @jit
-    def gn_sums(x, stats, partial, centred):
+    def gn_sums(x, stats, partial, centred, extremes):
         """partial[g, b] = sum over block b's share of group g (x [G, n]) of x (centred: (x - mean)^2, the mean
-        from the first pass's partials in stats[g, :])."""
+        from the first pass's partials in stats[g, :]); extremes [2, G, parts] (or empty): that share's min and
+        max of x."""
         sh = cuda.shared.array(BLOCK, float32)
+        low = cuda.shared.array(BLOCK, float32)
+        high = cuda.shared.array(BLOCK, float32)
         g, b, tid = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
         n = x.shape[1]
+        ends = extremes.size > 0
         mean = float32(0.0)
         if centred:
             for i in range(stats.shape[1]):
                 mean += stats[g, i]
             mean /= float32(n)
         acc = float32(0.0)
+        lo, hi = float32(math.inf), float32(-math.inf)
         for i in range(b * BLOCK + tid, n, cuda.gridDim.x * BLOCK):
             v = x[g, i] - mean
             acc += v * v if centred and not control else v
-        sh[tid] = acc
+            if ends:
+                lo, hi = min(lo, v), max(hi, v)
+        sh[tid], low[tid], high[tid] = acc, lo, hi
         cuda.syncthreads()
         step = BLOCK // 2
         while step > 0:
             if tid < step:
                 sh[tid] += sh[tid + step]
+                if ends:
+                    low[tid], high[tid] = min(low[tid], low[tid + step]), max(high[tid], high[tid + step])
             cuda.syncthreads()
             step //= 2
         if tid == 0:
             partial[g, b] = sh[0]
+            if ends:
+                extremes[0, g, b], extremes[1, g, b] = low[0], high[0]
     return gn_sums
 
 
-def _make_gn_stats():
+SILU_LOW = 0.2785    # max |silu(y)| over y < 0 (at y = -1.2785: 0.27846...), rounded up
+
+
+def _make_gn_stats(control):
     @jit
-    def gn_stats(partial, n, eps):
+    def gn_stats(partial, n, eps, w, b, peak):
         """partial[0, g, :2] = (mean, 1 / sqrt(var + eps)) of group g from its sums partial[0, g, :] and
-        centred squares partial[1, g, :] (one thread a group)."""
-        g = cuda.grid(1)
-        if g >= partial.shape[1]:
-            return
-        mean, var = float32(0.0), float32(0.0)
-        for j in range(partial.shape[2]):
-            mean += partial[0, g, j]
-            var += partial[1, g, j]
-        partial[0, g, 0] = mean / n
-        partial[0, g, 1] = float32(1.0) / math.sqrt(max(var / n, float32(0.0)) + eps)
+        centred squares partial[1, g, :] (one thread a group, one block). With w, b and peak [1] (else empty):
+        peak[0] = a bound on max |silu(group_norm(x))| from each group's extremes partial[2:4, g, :]: the
+        affine y of a channel c is monotone in x, so over the group's [min, max] it spans [y_lo, y_hi] and
+        |silu(y)| <= max(y_hi, 0) above zero and <= min(SILU_LOW, |y_lo| / 2) below it."""
+        sh = cuda.shared.array(1024, float32)
+        g = cuda.threadIdx.x
+        groups = partial.shape[1]
+        bound = float32(0.0)
+        if g < groups:
+            mean, var = float32(0.0), float32(0.0)
+            lo, hi = float32(math.inf), float32(-math.inf)
+            ends = peak.size > 0
+            for j in range(partial.shape[2]):
+                mean += partial[0, g, j]
+                var += partial[1, g, j]
+                if ends:
+                    lo, hi = min(lo, partial[2, g, j]), max(hi, partial[3, g, j])
+            mean /= n
+            rstd = float32(1.0) / math.sqrt(max(var / n, float32(0.0)) + eps)
+            partial[0, g, 0] = mean
+            partial[0, g, 1] = rstd
+            if ends:
+                per = w.shape[0] // groups
+                shift = float32(0.0) if control else mean
+                for c in range(g * per, (g + 1) * per):
+                    k = w[c] * rstd
+                    y0, y1 = (lo - shift) * k + b[c], (hi - shift) * k + b[c]
+                    top, bottom = max(y0, y1), min(y0, y1)
+                    bound = max(bound, max(top, float32(0.0)),
+                                min(float32(SILU_LOW), float32(0.5) * max(-bottom, float32(0.0))))
+        sh[g] = bound
+        cuda.syncthreads()
+        if g == 0 and peak.size > 0:
+            for j in range(1, groups):
+                bound = max(bound, sh[j])
+            peak[0] = bound * float32(1.0 + 2.0 ** -10)     # past the float32 roundings of y and silu
     return gn_stats
 
 
@@ -491,27 +524,25 @@ def _make_pixels(control):
 
 
 _zero = _make_zero()
-_absmax = {(c, n): _make_absmax(c, n) for c in (False, True) for n in (False, True)}
+_absmax = {c: _make_absmax(c) for c in (False, True)}
 _split_rows = {c: _make_split_rows(c) for c in (False, True)}
 _finish = {c: _make_finish(c) for c in (False, True)}
 _gn_sums = {c: _make_gn_sums(c) for c in (False, True)}
-_gn_stats = _make_gn_stats()
+_gn_stats = {c: _make_gn_stats(c) for c in (False, True)}
 _gn_apply = _make_gn_apply()
 _unpack = {c: _make_unpack(c) for c in (False, True)}
 _pixels = {c: _make_pixels(c) for c in (False, True)}
 
 
 # --- launchers ----------------------------------------------------------------------------
-def absmax(x, peak, norm=None, stream=0, control=False):
-    """peak[0] = max |x| over x (any shape, contiguous), on the device; norm (stats, w, b) from group_stats:
-    max |silu(group_norm(x))| over x [C, H, W] instead."""
+def absmax(x, peak, stream=0, control=False):
+    """peak[0] = max |x| over x (any shape, contiguous), on the device."""
     _zero[1, 1, stream](peak)
-    stats, w, b = _no_norm() if norm is None else norm
     rows = x.shape[0]
     plane = x.size // rows
     across = max(1, min(-(-plane // (4 * BLOCK)), -(-4096 // rows)))     # ~4096 blocks, >= 4 values a thread
     grid = (1, 2) if SIMULATED else (across, min(rows, 65535))
-    _absmax[control, norm is not None][grid, BLOCK, stream](x.reshape(rows, plane), peak, stats, w, b)
+    _absmax[control][grid, BLOCK, stream](x.reshape(rows, plane), peak)
 
 
 def _no_norm():
@@ -573,20 +604,27 @@ def _device_empty(ndim):
     return cuda.device_array((0,) * ndim, np.float32)
 
 
-def group_stats(x, groups, eps, partial, stream=0, control=False):
+def group_stats(x, groups, eps, partial, stream=0, control=False, peak=None, w=None, b=None, bound_control=False):
     """The group statistics of x [C, H, W] float32 (consecutive channel groups; float32 sums: the mean, then the
-    squares about it) into the workspace partial [2, groups, GN_PARTS]; returns partial[0], whose [g, :2] are
-    group g's (mean, 1 / sqrt(var + eps))."""
+    squares about it) into the workspace partial [4, groups, GN_PARTS]; returns partial[0], whose [g, :2] are
+    group g's (mean, 1 / sqrt(var + eps)). With peak [1] and the affine w, b: peak[0] = a bound on
+    max |silu(group_norm(x))| from each group's min and max (at most a few times the max: the split's scale,
+    without a pass over the values)."""
     xg = x.reshape(groups, x.size // groups)
-    _gn_sums[False][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[0], False)
-    _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], True)
-    _gn_stats[1, max(32, groups), stream](partial, np.float32(x.size // groups), np.float32(eps))
+    if groups > 1024:
+        raise ValueError(f"group_stats takes at most 1024 groups, not {groups}")
+    extremes = partial[2:4] if peak is not None else _empty(3)
+    _gn_sums[False][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[0], False, extremes)
+    _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], True, _empty(3))
+    w, b, peak = (_empty(1), _empty(1), _empty(1)) if peak is None else (w, b, peak)
+    _gn_stats[bound_control][1, max(32, -(-groups // 32) * 32), stream](partial, np.float32(x.size // groups),
+                                                                      np.float32(eps), w, b, peak)
     return partial[0]
 
 
 def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False):
     """out = GroupNorm(x) (then silu) over x [C, H, W] float32 (group_stats, then each value); partial a float32
-    workspace [2, groups, GN_PARTS]."""
+    workspace [4, groups, GN_PARTS]."""
     group_stats(x, groups, eps, partial, stream=stream, control=control)
     rows = (x.shape[0], x.size // x.shape[0])
     _gn_apply[_blocks(x.size), BLOCK, stream](x.reshape(rows), partial[0], w, b, out.reshape(rows),
@@ -896,10 +934,12 @@ def _run_conv(inp, control):
     out = cuda.device_array((o, h * wd), np.float32)
     peak = cuda.device_array(1, np.float32)
     norm = None
-    if "gw" in inp:
-        partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
-        norm = (group_stats(x, inp["groups"], 1e-6, partial), cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"]))
-    absmax(x, peak, norm)
+    if "gw" in inp:          # the peak: the bound the group statistics give, as CudaOps takes it
+        partial = cuda.device_array((4, inp["groups"], GN_PARTS), np.float32)
+        gw, gb = cuda.to_device(inp["gw"]), cuda.to_device(inp["gb"])
+        norm = (group_stats(x, inp["groups"], 1e-6, partial, peak=peak, w=gw, b=gb), gw, gb)
+    else:
+        absmax(x, peak)
     rows = 2 if SIMULATED else (chunk_rows(c, wd) if taps == 1 else tap_rows(c, o, wd))
     for r0 in range(0, h, rows):
         n = min(rows, h - r0)
@@ -921,15 +961,16 @@ def _run_conv(inp, control):
 def _ref_conv(inp):
     """With "gw": the conv of the float64 group norm + silu, plus that norm's own bound carried through |w|."""
     taps, up = inp["taps"], inp["up"]
-    x, carried = inp["x"], 0.0
+    x, carried, loose = inp["x"], 0.0, 1.0
     if "gw" in inp:
+        loose = 4.0            # the statistics' bound on the peak, at most a few times max |x|
         args = (inp["x"], inp["gw"], inp["gb"], inp["groups"])
         x = group_norm_reference(*args, 1e-6, True)
         carried = conv2d_reference(group_norm_bound(*args, True), np.abs(inp["w"]), None, taps // 2)
     ref = conv2d_reference(x, inp["w"], inp["b"], taps // 2, up)
     terms = conv2d_reference(np.abs(x), np.abs(inp["w"]), np.abs(inp["b"]), taps // 2, up)
     k = x.shape[0] * taps * taps
-    peaks = float(np.abs(x).max() * np.abs(inp["w"]).max())
+    peaks = float(loose * np.abs(x).max() * np.abs(inp["w"]).max())
     return ref, product_bound(terms, k, peaks) + carried
 
 
@@ -968,7 +1009,7 @@ def _make_gn(rng, size):
 
 def _run_gn(inp, control):
     x, w, b = (cuda.to_device(inp[n]) for n in ("x", "w", "b"))
-    partial = cuda.device_array((2, inp["groups"], GN_PARTS), np.float32)
+    partial = cuda.device_array((4, inp["groups"], GN_PARTS), np.float32)
     outs = []
     for silu in (False, True):
         out = cuda.device_array(x.shape, np.float32)
@@ -982,6 +1023,32 @@ def _ref_gn(inp):
     bounds = [group_norm_bound(inp["x"], inp["w"], inp["b"], inp["groups"], silu) for silu in (False, True)]
     return np.concatenate([group_norm_reference(*args, False), group_norm_reference(*args, True)]), \
         np.concatenate(bounds)
+
+
+def _run_gn_peak(inp, control):
+    """group_stats' bound on max |silu(group_norm(x))|, for x of a mean far from zero and for x - 40 (a mean
+    near zero, where the values below zero matter)."""
+    w, b = cuda.to_device(inp["w"]), cuda.to_device(inp["b"])
+    out = []
+    for shift in (0.0, 40.0):
+        x = cuda.to_device((inp["x"] - np.float32(shift)).astype(np.float32))
+        partial = cuda.device_array((4, inp["groups"], GN_PARTS), np.float32)
+        peak = cuda.device_array(1, np.float32)
+        group_stats(x, inp["groups"], inp["eps"], partial, peak=peak, w=w, b=b, bound_control=control)
+        out.append(peak.copy_to_host()[0])
+    return np.array(out, np.float64)
+
+
+def _ref_gn_peak(inp):
+    """A bound, not the max: at least max |silu(y)| (or the split could overflow fp16) and at most 2x it (a
+    looser one costs the split's small values bits); the gate is the interval [max, 2 max]."""
+    tops = []
+    for shift in (0.0, 40.0):
+        y = group_norm_reference(inp["x"].astype(np.float64) - shift, inp["w"], inp["b"], inp["groups"], inp["eps"],
+                                 True)
+        tops.append(np.abs(y).max())
+    tops = np.array(tops)
+    return 1.5 * tops, 0.5 * tops
 
 
 def _make_unpack_inputs(rng, size):
@@ -1048,6 +1115,8 @@ CASES = [
          notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
+    Case("group_norm_peak", _make_gn, _run_gn_peak, _ref_gn_peak,
+         notes="the statistics' bound on max |silu(group_norm(x))|; control: the bound leaves the mean in"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
     Case("to_pixels", _make_pixel_inputs, _run_pixels, _ref_pixels, notes="control: ties rounded down"),
 ]

@@ -8,7 +8,8 @@ never written. A conv runs over chunks of output rows. A k x k conv: the chunk's
 layout (conv.split_image triple), one product a tap against the tap's split weight, summed into one float32
 product (conv.tap_product); a 1x1 conv: the chunk's columns (its split image) and one split product. The split
 weight is prepared once per weight, from its first call (run a graph's ops eagerly once before capturing
-them); `finish` then writes the chunk's product into the channels of the output with the scales divided out
+them). The split's scale comes from a device peak: max |x| (conv.absmax), or for silu(group_norm(x)) the
+bound its statistics give (no pass over the values); `finish` then writes the chunk's product into the channels of the output with the scales divided out
 and the bias (and a residual, the ResNet block's sum) added.
 """
 
@@ -31,11 +32,13 @@ class Upsampled:
 
 
 class Normalized:
-    """silu(group_norm(x)) of x [C, H, W], never written: conv2d makes each value where it reads it (its peak's
-    pass and its columns), from the group statistics in `partial` (conv.group_stats) and the affine w, b."""
+    """silu(group_norm(x)) of x [C, H, W], never written: conv2d makes each value where it reads it (its
+    columns), from the group statistics in `partial` (conv.group_stats) and the affine w, b; `peak` bounds its
+    values (conv.group_stats' bound, the split's scale)."""
 
-    def __init__(self, x, partial, w, b, groups, eps):
+    def __init__(self, x, partial, w, b, groups, eps, peak):
         self.x, self.partial, self.w, self.b, self.groups, self.eps = x, partial, w, b, groups, eps
+        self.peak = peak
         self.norm = (partial[0], w, b)
         self.shape = x.shape
         self.dtype = x.dtype
@@ -43,10 +46,11 @@ class Normalized:
 
 def _source(x):
     """(the array a conv reads, whether through the 2x upsampling, the (stats, w, b) of a group norm + silu made
-    on each read, or None) of a conv's input: an array, an Upsampled or a Normalized."""
+    on each read, or None, and a device peak of the values read, or None) of a conv's input: an array, an
+    Upsampled or a Normalized."""
     up = isinstance(x, Upsampled)
-    norm = x.norm if isinstance(x, Normalized) else None
-    return (x.x if up or norm else x), up, norm
+    norm, peak = (x.norm, x.peak) if isinstance(x, Normalized) else (None, None)
+    return (x.x if up or norm else x), up, norm, peak
 
 
 def split_weight_bits(host, taps):
@@ -75,9 +79,9 @@ class ConvCudaOps:
         their host tensors instead)."""
         return split_weight_bits(w.copy_to_host(), taps)
 
-    def _peak(self, x, norm=None):
+    def _peak(self, x):
         peak = self.new((1,))
-        conv.absmax(x, peak, norm, stream=self.stream)
+        conv.absmax(x, peak, stream=self.stream)
         return peak
 
     def conv2d(self, x, w, b=None, padding=0, residual=None):
@@ -86,12 +90,13 @@ class ConvCudaOps:
         o, c, taps, wide = w.shape
         if taps != wide or taps % 2 == 0 or padding != taps // 2:
             raise ValueError(f"conv2d takes square odd kernels with 'same' padding, not {w.shape} padding {padding}")
-        src, up, norm = _source(x)
+        src, up, norm, peak = _source(x)
         _, h, width = x.shape
+        if peak is None:
+            peak = self._peak(src)
         if taps > 1:
-            return self._tap_conv(src, up, norm, w, b, residual, (o, h, width))
+            return self._tap_conv(src, up, norm, peak, w, b, residual, (o, h, width))
         weight, peak_w = self._split_weight(w)
-        peak = self._peak(src, norm)
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, width))
         cols = self.new((rows * width, conv.split_width(c)), np.uint16)
@@ -106,7 +111,7 @@ class ConvCudaOps:
                         stream=self.stream)
         return out
 
-    def _tap_conv(self, src, up, norm, w, b, residual, shape):
+    def _tap_conv(self, src, up, norm, peak, w, b, residual, shape):
         """conv2d of a k x k kernel as tap products over chunks of output rows: the chunk's split image in the
         taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
         tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
@@ -114,7 +119,6 @@ class ConvCudaOps:
         o, h, width = shape
         taps, span = w.shape[2], width + 2
         weight, peak_w = self._split_weight(w, taps=True)
-        peak = self._peak(src, norm)
         out = self.new(shape)
         rows = min(h, conv.tap_rows(src.shape[0], o, width))
         image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
@@ -134,15 +138,15 @@ class ConvCudaOps:
     def group_norm(self, x, groups, w, b, eps):
         """torch.nn.GroupNorm over x [C, H, W] (consecutive channel groups, biased variance, affine w, b)."""
         out = self.new(x.shape)
-        conv.group_norm(x, w, b, out, groups, eps, False, self.new((2, groups, conv.GN_PARTS)), stream=self.stream)
+        conv.group_norm(x, w, b, out, groups, eps, False, self.new((4, groups, conv.GN_PARTS)), stream=self.stream)
         return out
 
     def group_norm_silu(self, x, groups, w, b, eps):
-        """silu(group_norm(x, ...)) as a Normalized that only conv2d reads: the statistics now, each value in
-        the conv's reads (no [C, H, W] written)."""
-        partial = self.new((2, groups, conv.GN_PARTS))
-        conv.group_stats(x, groups, eps, partial, stream=self.stream)
-        return Normalized(x, partial, w, b, groups, eps)
+        """silu(group_norm(x, ...)) as a Normalized that only conv2d reads: the statistics and a bound on the
+        values now, each value in the conv's reads (no [C, H, W] written)."""
+        partial, peak = self.new((4, groups, conv.GN_PARTS)), self.new((1,))
+        conv.group_stats(x, groups, eps, partial, stream=self.stream, peak=peak, w=w, b=b)
+        return Normalized(x, partial, w, b, groups, eps, peak)
 
     def upsample_nearest2x(self, x):
         """out[c, 2i+a, 2j+b] = x[c, i, j], as a view the next conv2d reads through (Upsampled)."""
