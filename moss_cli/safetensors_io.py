@@ -13,8 +13,7 @@ What the safetensors library (0.8.0, measured) does and does not do here:
   and these checks say in one line which tensor is truncated, overlapping or misdescribed.
 - `load` (checkpoints) returns read-only views of a memory map. `safe_open(path, "numpy").get_tensor` does
   read BF16, but into a copy: a 400 MB bf16 tensor raised the process's RSS by ~760 MB, where the map
-  costs nothing until pages are touched; a checkpoint is ~27 GB. `file_range` finds a view's file and offset,
-  so the GPU uploader can read its bytes from the file (no page of the map touched) instead.
+  costs nothing until pages are touched; a checkpoint is ~27 GB.
 - `dumps` writes the bytes itself. `safetensors.numpy.save` writes "__metadata__" in the order of a Rust
   hash map that is seeded anew on every call: 10 calls in one process with the same 6 metadata keys gave
   10 different byte strings (PYTHONHASHSEED does not fix it). Artifacts must be the same bytes run to run,
@@ -26,7 +25,6 @@ import json
 import mmap
 import os
 import tempfile
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -72,30 +70,7 @@ def load(path):
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as e:
         raise SafetensorsError(f"cannot read {path.name}: {e.strerror}") from None
-    _remember(buffer, path)
     return _tensors(buffer)
-
-
-_MAPPED = {}     # the address of each live map `load` made -> (its end address, the file's path)
-
-
-def _remember(buffer, path):
-    base = np.frombuffer(buffer, np.uint8).ctypes.data
-    _MAPPED[base] = (base + len(buffer), str(path.resolve()))
-    weakref.finalize(buffer, _MAPPED.pop, base, None)     # the map goes when its last view does
-
-
-def file_range(array):
-    """(path, offset) of the file bytes a contiguous array from `load` views (its data starts at that offset
-    of that file), or None for any other array."""
-    array = np.asarray(array)
-    if not array.flags.c_contiguous or array.nbytes == 0:
-        return None
-    start = array.__array_interface__["data"][0]
-    for base, (end, path) in list(_MAPPED.items()):
-        if base <= start and start + array.nbytes <= end:
-            return path, start - base
-    return None
 
 
 def loads(data):

@@ -77,9 +77,6 @@ def main():
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
     ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
-    ap.add_argument("--upload-from", choices=("file", "map"), default="file",
-                    help="the uploader fills its staging buffers by reading the weight files (the product's way) "
-                         "or by copying from their memory maps (for an A/B)")
     args = ap.parse_args()
     if args.host_profile:
         import cProfile
@@ -119,9 +116,9 @@ def _landed(out, up):
     if up is None or up["landed_at"] is None:
         return
     out["start_to_loaded_s"] = up["landed_at"] - START
-    out["uploader"] = {k: up[k] for k in ("bytes", "file_bytes", "arrays", "host_s", "wait_s")}
+    out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
     print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
-          f"through the uploader's thread, {up['file_bytes'] / 1e9:.2f} GB read from the files: host copies {up['host_s']:.2f} s, waits for the device "
+          f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
           f"{up['wait_s']:.2f} s); first step at {out['start_to_first_step_s']:.2f} s", flush=True)
 
 
@@ -130,10 +127,7 @@ def run(args):
     clock = Clock()
     if args.device == "cuda":      # count the pool's blocks that come back inside a garbage collection
         from moss_cli.ops.cuda_table import shared_pool
-        from moss_cli.ops.cuda_upload import uploader
         shared_pool().watch_collector()
-        uploader().from_files = args.upload_from == "file"
-    out_upload = {"upload_from": args.upload_from}
     model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
@@ -143,7 +137,7 @@ def run(args):
         getattr(model, part)
         parts[part] = time.perf_counter() - t
     made = time.perf_counter()
-    out = {**out_upload, "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
+    out = {"imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
            "start_to_made_s": made - START, "start_to_loaded_s": made - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"components made {made - START:.2f} s after process start (imports {imported - START:.2f} s; "

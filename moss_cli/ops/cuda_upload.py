@@ -10,11 +10,6 @@ Small arrays are packed one after another into the same buffer (one async copy e
 weights cost a thousand small copies, not a thousand buffer round trips. The bytes are never converted:
 bf16 stays bf16 bits (uint16), float32 stays float32.
 
-A checkpoint's tensors are views of a file's memory map (safetensors_io.load). Their bytes are read from the
-file straight into the staging buffer (os.preadv, the GIL released) rather than copied out of the map: a copy
-from the map faults its pages into the process's page tables, and those faults contend with the driver's own
-calls while the first passes run beside the copies. `from_files = False` copies from the map instead.
-
 Order: the uploader's stream is a blocking stream (numba's cuda.stream()), so work queued later on the
 legacy default stream (stream 0, where CudaOps runs eagerly) waits for the copies already queued; any other
 stream must call `finish()` before reading an uploaded array. `to_device` returns as
@@ -41,8 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import config, cuda
 
-from moss_cli.safetensors_io import file_range
-
 STAGING_BYTES = 128 << 20   # one pinned staging buffer
 BUFFERS = 3                 # staging buffers in rotation
 THREADS = min(8, os.cpu_count() or 1)   # host copy threads per piece
@@ -54,14 +47,12 @@ ALIGN = 256                 # each packed array starts at a multiple of this in 
 class Uploader:
     """host arrays -> numba device arrays through `buffers` pinned buffers of `staging_bytes` each."""
 
-    def __init__(self, staging_bytes=STAGING_BYTES, buffers=BUFFERS, threads=THREADS, from_files=True):
+    def __init__(self, staging_bytes=STAGING_BYTES, buffers=BUFFERS, threads=THREADS):
         if buffers < 2:
             raise ValueError("the uploader needs at least two staging buffers to overlap copies")
         self.staging_bytes = -(-int(staging_bytes) // ALIGN) * ALIGN
         self.buffers = int(buffers)
         self.threads = max(1, int(threads))
-        self.from_files = bool(from_files) and hasattr(os, "preadv")   # read a mapped file's bytes from the file
-        self._files = {}            # path -> an open descriptor (from_files)
         self._staging = None        # [pinned uint8 arrays], made on first use
         self._events = None         # per buffer: the event recorded behind its last copy, or None
         self._stream = None
@@ -93,7 +84,6 @@ class Uploader:
         the copies after those of every array handed over before; the future completes then (or raises what
         the feeder met). Until it completes, nothing may read the device array, nor may `host` change."""
         host = np.asarray(host)
-        where = file_range(host) if self.from_files else None
         if host.dtype.name == "bfloat16":
             host = host.view(np.uint16)
         if not host.flags.c_contiguous:
@@ -108,7 +98,7 @@ class Uploader:
         dst = out.reshape(out.size).view(np.uint8) if host.nbytes else None
         with self._lock:
             self._handed += 1
-        queued = self._feeder.submit(self._feed, src, dst, where)
+        queued = self._feeder.submit(self._feed, src, dst)
         self._futures.append(queued)
         return out, queued
 
@@ -127,18 +117,16 @@ class Uploader:
         return self.stats()
 
     def stats(self):
-        """bytes and arrays sent (file_bytes of them read from files), seconds from the first array to the last
-        `finish`, bytes per second, and where the feeder's time went (host_s: filling the staging buffers; wait_s:
-        waiting for the device); landed_at: time.perf_counter() when the feeder last ran out of work and found
-        every copy done."""
-        return {"bytes": self.bytes, "file_bytes": self.file_bytes, "arrays": self.arrays, "copies": self.copies,
-                "seconds": self.seconds,
+        """bytes and arrays sent, seconds from the first array to the last `finish`, bytes per second,
+        and where the feeder's time went (host_s: copies into staging; wait_s: waiting for the device);
+        landed_at: time.perf_counter() when the feeder last ran out of work and found every copy done."""
+        return {"bytes": self.bytes, "arrays": self.arrays, "copies": self.copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None,
                 "host_s": self.host_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
                 "staging_bytes": self.staging_bytes, "buffers": self.buffers, "threads": self.threads}
 
     def reset_stats(self):
-        self.bytes = self.file_bytes = self.arrays = self.copies = 0
+        self.bytes = self.arrays = self.copies = 0
         self.host_s = self.wait_s = 0.0
         self.seconds = 0.0
         self.began = self.landed_at = None
@@ -151,9 +139,6 @@ class Uploader:
                 pool.shutdown()
         self._staging = self._events = self._stream = self._pool = self._feeder = None
         self._current = self._cursor = 0
-        for fd in self._files.values():
-            os.close(fd)
-        self._files = {}
 
     # --- the pipeline --------------------------------------------------------------------------
     def _start(self):
@@ -168,13 +153,12 @@ class Uploader:
                 self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="upload")
             self._feeder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="upload-feeder")
 
-    def _feed(self, src, dst, where=None):
-        """The feeder's job for one array: its pieces through the staging buffers (where: (path, offset) of
-        its bytes in a file, or None); when no array is left to feed, it waits for the copies to finish and
-        notes the time (landed_at)."""
+    def _feed(self, src, dst):
+        """The feeder's job for one array: its pieces through the staging buffers; when no array is left to
+        feed, it waits for the copies to finish and notes the time (landed_at)."""
         try:
             if dst is not None:
-                self._send(src, dst, where)
+                self._send(src, dst)
                 self.arrays += 1
         finally:
             with self._lock:
@@ -184,10 +168,8 @@ class Uploader:
             self._stream.synchronize()
             self.landed_at = time.perf_counter()
 
-    def _send(self, src, dst, where=None):
-        """src (host uint8) -> dst (device uint8 view) in pieces that fit the staging buffers; where: src's
-        (path, offset) in a file, read from there."""
-        fd = None if where is None else self._open(where[0])
+    def _send(self, src, dst):
+        """src (host uint8) -> dst (device uint8 view) in pieces that fit the staging buffers."""
         total, pos = src.size, 0
         while pos < total:
             room = self.staging_bytes - self._cursor
@@ -197,36 +179,23 @@ class Uploader:
             take = min(room, total - pos)
             begin = self._cursor
             stage = self._staging[self._current][begin:begin + take]
-            self._fill(stage, src[pos:pos + take], None if fd is None else (fd, where[1] + pos))
+            self._fill(stage, src[pos:pos + take])
             self._copy(dst[pos:pos + take], stage)
             self._cursor = begin + -(-take // ALIGN) * ALIGN
             pos += take
             self.bytes += take
 
-    def _open(self, path):
-        fd = self._files.get(path)
-        if fd is None:
-            fd = self._files[path] = os.open(path, os.O_RDONLY)
-        return fd
-
-    def _fill(self, stage, src, at=None):
-        """Host copy src -> stage (pinned), split over the threads when it is large; at: (descriptor, offset)
-        of src's bytes in a file, read from there instead."""
+    def _fill(self, stage, src):
+        """Host copy src -> stage (pinned), split over the threads when it is large."""
         start = time.perf_counter()
         n = src.size
         parts = min(self.threads, n // PIECE_BYTES) if self._pool is not None else 1
-        if at is None:
-            def one(a, b):
-                np.copyto(stage[a:b], src[a:b])
-        else:
-            def one(a, b):
-                _read(at[0], stage[a:b], at[1] + a)
-            self.file_bytes += n
         if parts <= 1:
-            one(0, n)
+            np.copyto(stage, src)
         else:
             bounds = [n * i // parts for i in range(parts + 1)]
-            list(self._pool.map(lambda i: one(bounds[i], bounds[i + 1]), range(parts)))
+            list(self._pool.map(lambda i: np.copyto(stage[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                                range(parts)))
         self.host_s += time.perf_counter() - start
 
     def _copy(self, dst, stage):
@@ -248,16 +217,6 @@ class Uploader:
             pending.synchronize()
             self.wait_s += time.perf_counter() - start
             self._events[self._current] = None
-
-
-def _read(fd, out, offset):
-    """out (a contiguous uint8 array) <- its size in bytes of the file at fd from offset."""
-    view, done = memoryview(out), 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(f"the file ended {len(view) - done} bytes short of a tensor (changed since it was mapped?)")
-        done += got
 
 
 def _event():
