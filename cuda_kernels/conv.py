@@ -923,7 +923,7 @@ def _run_conv(inp, control):
     """A conv as CudaOps runs it, chunk by chunk (two rows a chunk in the tiny case), finish into [O, H, W]: a 1x1
     conv through its columns (its split image [hi | lo]) and one split product; a k x k conv as tap products (the
     split image in the taps' layout, a product a tap); with "gw" in inp, over silu(group_norm(x)) made in the
-    peak's and the split's reads. control: the split's lo parts zero."""
+    split's reads, its peak the bound group_stats gives. control: the split's lo parts zero."""
     x = cuda.to_device(inp["x"])
     taps, up = inp["taps"], inp["up"]
     wm, wpeak = (weight_matrix if taps == 1 else tap_weights)(inp["w"])
@@ -1112,7 +1112,8 @@ CASES = [
     Case("conv1x1_split", _make_conv(1, False), _run_conv, _ref_conv,
          notes="its columns and one split product; control: the split's lo parts zero"),
     Case("conv3x3_norm_taps", _make_conv_norm, _run_conv, _ref_conv,
-         notes="silu(group_norm(x)) made in the peak's and the split's reads; control: the split's lo parts zero"),
+         notes="silu(group_norm(x)) made in the split's reads, the peak its statistics' bound; control: the split's "
+               "lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
     Case("group_norm_peak", _make_gn, _run_gn_peak, _ref_gn_peak,

@@ -9,8 +9,8 @@ layout (conv.split_image triple), one product a tap against the tap's split weig
 product (conv.tap_product); a 1x1 conv: the chunk's columns (its split image) and one split product. The split
 weight is prepared once per weight, from its first call (run a graph's ops eagerly once before capturing
 them). The split's scale comes from a device peak: max |x| (conv.absmax), or for silu(group_norm(x)) the
-bound its statistics give (no pass over the values); `finish` then writes the chunk's product into the channels of the output with the scales divided out
-and the bias (and a residual, the ResNet block's sum) added.
+bound its statistics give (no pass over the values). `finish` then writes the chunk's product into the
+channels of the output with the scales divided out and the bias (and a residual, the ResNet block's sum) added.
 """
 
 import weakref
