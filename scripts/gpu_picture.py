@@ -7,7 +7,8 @@ graphs and the refined texts, and its noise is drawn on a host thread while the 
 Reports: seconds from process start to the three components made (each hands its weights to the uploader's
 thread and returns), to the encoder's and the transformer's weights all on the GPU (their copies overlap the
 first encode's and the first step's eager passes, which load or compile the kernels and plan the products),
-and to the first denoising step; per picture
+and to the first denoising step, and how late a thread that sleeps 1 ms at a time woke up until then
+(GilProbe: long waits for the GIL would stall the uploader's copy threads too); per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
 waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
@@ -21,9 +22,37 @@ written to that file, and the whole profile beside it (.prof, for pstats); the p
 such a run's seconds are not the figures.
 """
 
+import threading
 import time
 
 START = time.perf_counter()
+
+
+class GilProbe(threading.Thread):
+    """Sleeps 1 ms at a time and keeps how late each wake-up was: a late wake-up is this thread waiting for the
+    GIL (or the CPU), as the uploader's copy threads do between their pieces. Its record up to the first step
+    says whether the first passes hold the GIL for long stretches while the weights are copied."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.lags, self.stop = [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+
+    def report(self):
+        """Wake-ups so far, how many came more than 5 ms late and their total lateness, and the latest."""
+        lags = list(self.lags)
+        late = [x for x in lags if x > 0.005]
+        return {"wakeups": len(lags), "late_5ms": len(late), "late_5ms_s": sum(late),
+                "latest_ms": 1e3 * max(lags, default=0.0)}
+
+
+PROBE = GilProbe()
+PROBE.start()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -120,6 +149,9 @@ def _landed(out, up):
     print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
           f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
           f"{up['wait_s']:.2f} s); first step at {out['start_to_first_step_s']:.2f} s", flush=True)
+    gil = out["gil_probe_to_first_step"]
+    print(f"a thread sleeping 1 ms at a time up to the first step: {gil['late_5ms']} of {gil['wakeups']} wake-ups "
+          f"over 5 ms late ({gil['late_5ms_s']:.2f} s in all), the latest {gil['latest_ms']:.0f} ms", flush=True)
 
 
 def run(args):
@@ -173,6 +205,8 @@ def run(args):
             row.update(_parts(model, lat, png, size, opts.seed))
             if clock.first_step is not None and not out["pictures"]:
                 out["start_to_first_step_s"] = clock.first_step - START
+                PROBE.stop.set()
+                out["gil_probe_to_first_step"] = PROBE.report()
                 _landed(out, _uploaded(args.device))
             out["pictures"].append(row)
             if png and rep == 0:

@@ -26,6 +26,8 @@ def test_the_script_makes_moss_images_picture_and_writes_its_report_and_profile(
     assert set(report["load_parts_s"]) == {"encoder", "transformer", "decoder"}
     # the start-up figures the device step reads are there (their values are timings: benchmarks, not tests)
     assert all(isinstance(report[k], float) for k in ("start_to_made_s", "start_to_loaded_s", "start_to_first_step_s"))
+    gil = report["gil_probe_to_first_step"]
+    assert set(gil) == {"wakeups", "late_5ms", "late_5ms_s", "latest_ms"} and gil["wakeups"] > 0, gil
 
     spec = importlib.util.spec_from_file_location("gpu_picture", ROOT / "scripts" / "gpu_picture.py")
     script = importlib.util.module_from_spec(spec)
