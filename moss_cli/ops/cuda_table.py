@@ -171,8 +171,12 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32.
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
         key = (id(tensors), name)
+        return self._held(key, lambda: self._upload_param(tensors, name, key), later)
+
+    def _held(self, key, make, later):
+        """The weight kept under `key`, made by make() on first need; unless `later`, readable now (_landed)."""
         if key not in self._params:
-            self._params[key] = self._upload_param(tensors, name, key)
+            self._params[key] = make()
         if not later:
             self._landed(key)
         return self._params[key]
@@ -200,11 +204,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
         names = tuple(names)
         key = (id(tensors), names)
-        if key not in self._params:
-            self._params[key] = self._upload_stack(tensors, names, key)
-        if not later:
-            self._landed(key)
-        return self._params[key]
+        return self._held(key, lambda: self._upload_stack(tensors, names, key), later)
 
     def _upload_stack(self, tensors, names, key):
         """params' Stacked, made once (the host parts' copies handed to the uploader, the last under `key`)."""
