@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from .core import BLOCK, EPS32, SIMULATED, Case, as_float32, float32_bits, gamma, jit, ptx_op
+from .dit import fast_sigmoid
 
 U = uint64                    # an index known >= 0: no wraparound code for negative indices
 R_16F, R_32F = 2, 0           # cudaDataType
@@ -197,10 +198,17 @@ def _gn_silu(v, c, stats, w, b):
 
 
 @jit(device=True, forceinline=True)
+def _silu(y):
+    """y sigmoid(y) through the special-function unit (dit.fast_sigmoid: 2^x and 1 / x within 2^-22 each, the
+    argument's rounding |y| 2^-24); the sigmoid's argument stops at -80 (below it silu is within 2^-110 |y| of
+    0, and the simulator's exp would overflow)."""
+    return y * fast_sigmoid(max(y, float32(-80.0)))
+
+
+@jit(device=True, forceinline=True)
 def _gn_silu_of(v, c, g, stats, w, b):
     """silu of _gn_affine_of."""
-    y = _gn_affine_of(v, c, g, stats, w, b)
-    return y / (float32(1.0) + math.exp(min(-y, float32(80.0))))   # (-y past 80: silu is -0 to float32)
+    return _silu(_gn_affine_of(v, c, g, stats, w, b))
 
 
 def _make_zero():
@@ -271,6 +279,7 @@ def _make_split_image(control, up, norm=False, triple=False):
     blocks of the last channel tile also write the zero channels up to P."""
     tile_shape = (SPLIT_CH, SPLIT_PX + 1)       # a tile's words, rows padded against bank conflicts
     PER_THREAD = SPLIT_CH // ROWS               # channels a thread reads (blockDim.y = ROWS)
+    PX_STEPS = -(-SPLIT_PX // ROWS)             # pixels a thread writes
 
     @jit(launch_bounds=(SPLIT_PX * ROWS, 4))    # four blocks an SM (at most 64 registers)
     def split_image(x, flat, peak, words, rows, width, r0, half, stats, gw, gb, pad):
@@ -280,7 +289,9 @@ def _make_split_image(control, up, norm=False, triple=False):
         outside x; channels past C are zero. flat: x as one row (the loads' addresses: one add a value)."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
-        groups = cuda.local.array(PER_THREAD, int32)
+        means = cuda.local.array(PER_THREAD, float32)     # norm: the affine of each of this thread's channels
+        gains = cuda.local.array(PER_THREAD, float32)
+        shifts = cuda.local.array(PER_THREAD, float32)
         s = scale_of(peak[0])
         c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
@@ -292,11 +303,14 @@ def _make_split_image(control, up, norm=False, triple=False):
         pairs = SPLIT_CH // 2
         # word pairs a pixel's row gets from this block: its tile's, and the last block the zeros up to P
         span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
-        if norm:       # the group of each of this thread's channels, without a division a value
+        if norm:       # the affine of each of this thread's channels (_gn_affine_of's terms), read once
             per_group = gw.shape[0] // stats.shape[0]
             g, at_g = divmod32(c0 + ty, per_group)
             for j in range(PER_THREAD):
-                groups[j] = g
+                c = c0 + ty + j * ROWS
+                means[j], gains[j], shifts[j] = float32(0.0), float32(0.0), float32(0.0)
+                if c < c_in:
+                    means[j], gains[j], shifts[j] = stats[g, 0], gw[c] * stats[g, 1], gb[c]
                 at_g += ROWS
                 while at_g >= per_group:
                     at_g -= per_group
@@ -321,7 +335,7 @@ def _make_split_image(control, up, norm=False, triple=False):
                 if live and c < c_in:
                     v = got[j]
                     if norm:
-                        v = _gn_silu_of(v, c, groups[j], stats, gw, gb)
+                        v = _silu((v - means[j]) * gains[j] + shifts[j])
                     v *= s
                     hi = to_half(v)
                     lo = to_half(v - from_half(hi)) if not control else uint16(0)
@@ -329,8 +343,9 @@ def _make_split_image(control, up, norm=False, triple=False):
                 sh[U(ty + j * ROWS), U(tx)] = word
             cuda.syncthreads()
             # a warp writes one pixel's word pairs (tx along them), the block's rows the tile's pixels
-            for px in range(ty, SPLIT_PX, ROWS):
-                if x0 + px < span_px:
+            for pp in range(PX_STEPS):                  # a fixed count: unrolled, the stores issued together
+                px = ty + pp * ROWS
+                if px < SPLIT_PX and x0 + px < span_px:
                     at = (i * span_px + x0 + px) * pixel_words + c0 // 2
                     for pr in range(tx, span, SPLIT_PX):
                         lo_pair, hi_pair = uint32(0), uint32(0)
@@ -356,7 +371,8 @@ def _make_finish(control):
         inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
         m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-        for j in range(ty, TILE, ROWS):
+        for jj in range(TILE // ROWS):          # fixed counts: unrolled, the loads issued together
+            j = ty + jj * ROWS
             m, n = m0 + j, n0 + tx
             if m < d.shape[0] and n < d.shape[1]:
                 v = d[U(m), U(n)] * inv
@@ -373,7 +389,8 @@ def _make_finish(control):
                 col -= span
                 row += 1
             q, live = row * (span - 2) + col, col < span - 2
-        for j in range(ty, TILE, ROWS):
+        for jj in range(TILE // ROWS):
+            j = ty + jj * ROWS
             if channels:
                 n = n0 + j
                 if m < d.shape[0] and n < d.shape[1] and live:
@@ -408,23 +425,30 @@ def _make_gn_sums(control):
             for i in range(stats.shape[1]):
                 mean += stats[g, i]
             mean /= float32(n)
-        acc = float32(0.0)
+        acc = cuda.local.array(4, float32)    # four sums a thread, four loads in flight
+        for u in range(4):
+            acc[u] = float32(0.0)
         lo, hi = float32(math.inf), float32(-math.inf)
-        for i in range(b * BLOCK + tid, n, cuda.gridDim.x * BLOCK):
-            v = x[g, i] - mean
-            acc += v * v if centred and not control else v
-            if ends:
-                lo, hi = min(lo, v), max(hi, v)
-        sh[tid], low[tid], high[tid] = acc, lo, hi
+        step = cuda.gridDim.x * BLOCK
+        i = b * BLOCK + tid
+        while i < n:
+            for u in range(4):
+                if i + u * step < n:
+                    v = x[g, U(i + u * step)] - mean
+                    acc[u] += v * v if centred and not control else v
+                    if ends:
+                        lo, hi = min(lo, v), max(hi, v)
+            i += 4 * step
+        sh[tid], low[tid], high[tid] = (acc[0] + acc[1]) + (acc[2] + acc[3]), lo, hi
         cuda.syncthreads()
-        step = BLOCK // 2
-        while step > 0:
-            if tid < step:
-                sh[tid] += sh[tid + step]
+        half = BLOCK // 2
+        while half > 0:
+            if tid < half:
+                sh[tid] += sh[tid + half]
                 if ends:
-                    low[tid], high[tid] = min(low[tid], low[tid + step]), max(high[tid], high[tid + step])
+                    low[tid], high[tid] = min(low[tid], low[tid + half]), max(high[tid], high[tid + half])
             cuda.syncthreads()
-            step //= 2
+            half //= 2
         if tid == 0:
             partial[g, b] = sh[0]
             if ends:
@@ -849,7 +873,8 @@ def group_norm_bound(x, w, b, groups, silu):
     """Each float32 sum runs n / (GN_PARTS BLOCK) terms a thread, a tree of BLOCK, GN_PARTS partials: gamma_m
     relative to the sum of magnitudes. The mean's error moves y by |w| rstd that much; the variance's
     relative error (gamma_m and a few roundings) moves it by half that of |y - b|; silu's slope is below 1.1
-    and its exp and division add a few roundings."""
+    and its special-function sigmoid (_silu) adds at most (10 + |y|) u sigmoid(y) |y| below zero, under 5 u |y|,
+    and about 6 u |y| above it."""
     x = np.asarray(x, np.float64)
     n = x.size // groups
     m = -(-n // (GN_PARTS * BLOCK)) + int(math.log2(BLOCK)) + GN_PARTS + 2
