@@ -106,7 +106,13 @@ def main():
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
     ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
+    ap.add_argument("--switch-interval", type=float,
+                    help="the interpreter's switch interval (s) while weights are in flight, instead of the "
+                         "uploader's SWITCH_S; 0: leave the interpreter's (5 ms) as it is")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        from moss_cli.ops import cuda_upload
+        cuda_upload.SWITCH_S = args.switch_interval or None
     if args.host_profile:
         import cProfile
         profiler = cProfile.Profile()
@@ -139,6 +145,14 @@ def _uploaded(model_device):
     return dict(uploader().stats())
 
 
+def _switch_interval(model_device):
+    """The switch interval the uploader sets while weights are in flight (None: the interpreter's)."""
+    if model_device != "cuda":
+        return None
+    from moss_cli.ops import cuda_upload
+    return cuda_upload.SWITCH_S
+
+
 def _landed(out, up):
     """The encoder's and the transformer's weights through the uploader's thread (handed over as each component
     was made, taken by the first passes as they came): when the last copy was done, and the thread's host time."""
@@ -146,9 +160,12 @@ def _landed(out, up):
         return
     out["start_to_loaded_s"] = up["landed_at"] - START
     out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
+    switch = out["switch_interval_s"]
     print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
           f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
-          f"{up['wait_s']:.2f} s); first step at {out['start_to_first_step_s']:.2f} s", flush=True)
+          f"{up['wait_s']:.2f} s; switch interval "
+          f"{f'{switch * 1e3:g} ms' if switch else 'the interpreter default'}); first step at {out['start_to_first_step_s']:.2f} s",
+          flush=True)
     gil = out["gil_probe_to_first_step"]
     print(f"a thread sleeping 1 ms at a time up to the first step: {gil['late_5ms']} of {gil['wakeups']} wake-ups "
           f"over 5 ms late ({gil['late_5ms_s']:.2f} s in all), the latest {gil['latest_ms']:.0f} ms", flush=True)
@@ -169,7 +186,7 @@ def run(args):
         getattr(model, part)
         parts[part] = time.perf_counter() - t
     made = time.perf_counter()
-    out = {"imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
+    out = {"switch_interval_s": _switch_interval(args.device), "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
            "start_to_made_s": made - START, "start_to_loaded_s": made - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"components made {made - START:.2f} s after process start (imports {imported - START:.2f} s; "

@@ -4,7 +4,7 @@ float32, non-contiguous and stacked (`out=`) ones; and with device copies held b
 synchronize forces them (as a real asynchronous copy may be), so a staging buffer refilled too early shows.
 CudaOps.param / params through it keep the 2-D bf16 rule, and CudaOps.preload hands weights to the feeder
 thread without waiting while a weight taken later waits for its own copies (control: one taken without
-waiting reads an unfilled array)."""
+waiting reads an unfilled array), with the interpreter's switch interval at SWITCH_S while they are in flight."""
 
 import os
 import subprocess
@@ -178,13 +178,18 @@ class HeldBack(Uploader):
         super()._send(src, dst)
 
 def preloaded(ops_class):
+    import sys
     up = cuda_upload._SHARED = HeldBack(staging_bytes=4096, buffers=2, threads=2)
     ops = ops_class()
+    before = sys.getswitchinterval()
     ops.preload(stored, ["f3", ("q", "w2", "k"), "w2"])
     assert up.fed == [] and len(ops._landing) == 3, "preload waited for the feeder"
+    # weights in flight: the interpreter hands the GIL round at SWITCH_S; the caller's interval once landed
+    assert sys.getswitchinterval() == cuda_upload.SWITCH_S != before, sys.getswitchinterval()
     threading.Timer(0.2, up.gate.set).start()
     got = ops.param(stored, "f3").copy_to_host(), ops.params(stored, ["q", "w2", "k"]).weight.copy_to_host()
     up.finish()
+    assert sys.getswitchinterval() == before, "the uploader did not put the switch interval back"
     return got
 
 f3, st = preloaded(CudaOps)

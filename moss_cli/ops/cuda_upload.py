@@ -26,9 +26,16 @@ needs it. `to_device` is the same, waiting for its own future.
     up.to_device(host, out=dev_slice)    # into an existing contiguous device array of the same bytes
     dev, queued = up.to_device_later(host)   # at once; queued.result() once the copies must be queued
     up.finish()                          # every queued copy done; returns the stats
+
+The GIL: the feeder and copy threads take it between their pieces and around every driver call. While the
+caller's thread runs Python (a component's first pass: kernels loaded, products planned, graphs captured),
+a thread that released the GIL waits up to the interpreter's switch interval (5 ms) to get it back. While
+arrays are in flight the uploader sets that interval to SWITCH_S, and puts the caller's back when the feeder
+runs out of work (None: leave the interpreter's).
 """
 
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +49,7 @@ THREADS = min(8, os.cpu_count() or 1)   # host copy threads per piece
 PIECE_BYTES = 4 << 20       # the smallest host copy handed to a thread
 SIMULATED = bool(config.ENABLE_CUDASIM)
 ALIGN = 256                 # each packed array starts at a multiple of this in its staging buffer
+SWITCH_S = 0.0005           # the interpreter's switch interval while arrays are in flight (None: leave it)
 
 
 class Uploader:
@@ -63,6 +71,7 @@ class Uploader:
         self._futures = []          # hand-overs not yet seen done by finish()
         self._lock = threading.Lock()
         self._handed = self._fed = 0
+        self._switch = None         # the interpreter's switch interval before this uploader's, while busy
         self.reset_stats()
 
     # --- the API -------------------------------------------------------------------------------
@@ -97,6 +106,9 @@ class Uploader:
         src = host.reshape(-1).view(np.uint8)
         dst = out.reshape(out.size).view(np.uint8) if host.nbytes else None
         with self._lock:
+            if self._handed == self._fed and SWITCH_S is not None and self._switch is None:
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_S)
             self._handed += 1
         queued = self._feeder.submit(self._feed, src, dst)
         self._futures.append(queued)
@@ -164,6 +176,9 @@ class Uploader:
             with self._lock:
                 self._fed += 1
                 idle = self._fed == self._handed
+                if idle and self._switch is not None:
+                    sys.setswitchinterval(self._switch)
+                    self._switch = None
         if idle:
             self._stream.synchronize()
             self.landed_at = time.perf_counter()
