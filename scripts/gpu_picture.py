@@ -109,7 +109,11 @@ def main():
     ap.add_argument("--switch-interval", type=float,
                     help="the interpreter's switch interval (s) while weights are in flight, instead of the "
                          "uploader's SWITCH_S; 0: leave the interpreter's (5 ms) as it is")
+    ap.add_argument("--copy-threads", type=int, help="the uploader's host copy threads (default: its THREADS)")
     args = ap.parse_args()
+    if args.copy_threads:
+        from moss_cli.ops import cuda_upload
+        cuda_upload.THREADS = args.copy_threads
     if args.switch_interval is not None:
         from moss_cli.ops import cuda_upload
         cuda_upload.SWITCH_S = args.switch_interval or None
@@ -159,11 +163,13 @@ def _landed(out, up):
     if up is None or up["landed_at"] is None:
         return
     out["start_to_loaded_s"] = up["landed_at"] - START
-    out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s")}
+    out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s", "feed_s", "piece_s", "piece_cpu_s",
+                                          "threads")}
     switch = out["switch_interval_s"]
     print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
           f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
-          f"{up['wait_s']:.2f} s; switch interval "
+          f"{up['wait_s']:.2f} s, all its work {up['feed_s']:.2f} s; {up['threads']} copy threads inside their copies "
+          f"{up['piece_s']:.2f} s, {up['piece_cpu_s']:.2f} s of CPU; switch interval "
           f"{f'{switch * 1e3:g} ms' if switch else 'the interpreter default'}); first step at {out['start_to_first_step_s']:.2f} s",
           flush=True)
     gil = out["gil_probe_to_first_step"]

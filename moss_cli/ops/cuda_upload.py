@@ -55,12 +55,12 @@ SWITCH_S = 0.0005           # the interpreter's switch interval while arrays are
 class Uploader:
     """host arrays -> numba device arrays through `buffers` pinned buffers of `staging_bytes` each."""
 
-    def __init__(self, staging_bytes=STAGING_BYTES, buffers=BUFFERS, threads=THREADS):
+    def __init__(self, staging_bytes=STAGING_BYTES, buffers=BUFFERS, threads=None):
         if buffers < 2:
             raise ValueError("the uploader needs at least two staging buffers to overlap copies")
         self.staging_bytes = -(-int(staging_bytes) // ALIGN) * ALIGN
         self.buffers = int(buffers)
-        self.threads = max(1, int(threads))
+        self.threads = max(1, int(THREADS if threads is None else threads))
         self._staging = None        # [pinned uint8 arrays], made on first use
         self._events = None         # per buffer: the event recorded behind its last copy, or None
         self._stream = None
@@ -130,16 +130,19 @@ class Uploader:
 
     def stats(self):
         """bytes and arrays sent, seconds from the first array to the last `finish`, bytes per second,
-        and where the feeder's time went (host_s: copies into staging; wait_s: waiting for the device);
+        and where the feeder's time went (host_s: copies into staging; wait_s: waiting for the device; feed_s:
+        all of its work, driver calls and waits for the GIL included); piece_s and piece_cpu_s: the copy threads'
+        seconds inside their copies, wall and CPU, summed over the threads;
         landed_at: time.perf_counter() when the feeder last ran out of work and found every copy done."""
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": self.copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None,
-                "host_s": self.host_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
+                "host_s": self.host_s, "wait_s": self.wait_s, "feed_s": self.feed_s, "piece_s": self.piece_s,
+                "piece_cpu_s": self.piece_cpu_s, "landed_at": self.landed_at,
                 "staging_bytes": self.staging_bytes, "buffers": self.buffers, "threads": self.threads}
 
     def reset_stats(self):
         self.bytes = self.arrays = self.copies = 0
-        self.host_s = self.wait_s = 0.0
+        self.host_s = self.wait_s = self.feed_s = self.piece_s = self.piece_cpu_s = 0.0
         self.seconds = 0.0
         self.began = self.landed_at = None
 
@@ -168,11 +171,13 @@ class Uploader:
     def _feed(self, src, dst):
         """The feeder's job for one array: its pieces through the staging buffers; when no array is left to
         feed, it waits for the copies to finish and notes the time (landed_at)."""
+        start = time.perf_counter()
         try:
             if dst is not None:
                 self._send(src, dst)
                 self.arrays += 1
         finally:
+            self.feed_s += time.perf_counter() - start
             with self._lock:
                 self._fed += 1
                 idle = self._fed == self._handed
@@ -206,12 +211,14 @@ class Uploader:
         n = src.size
         parts = min(self.threads, n // PIECE_BYTES) if self._pool is not None else 1
         if parts <= 1:
-            np.copyto(stage, src)
+            spans = [_copied(stage, src)]
         else:
             bounds = [n * i // parts for i in range(parts + 1)]
-            list(self._pool.map(lambda i: np.copyto(stage[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
-                                range(parts)))
+            spans = list(self._pool.map(lambda i: _copied(stage[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                                        range(parts)))
         self.host_s += time.perf_counter() - start
+        self.piece_s += sum(w for w, _ in spans)
+        self.piece_cpu_s += sum(c for _, c in spans)
 
     def _copy(self, dst, stage):
         """Queue the device copy of a filled staging range on the uploader's stream."""
@@ -232,6 +239,13 @@ class Uploader:
             pending.synchronize()
             self.wait_s += time.perf_counter() - start
             self._events[self._current] = None
+
+
+def _copied(stage, src):
+    """np.copyto(stage, src) (the GIL released); its (wall, thread CPU) seconds."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    np.copyto(stage, src)
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def _event():
