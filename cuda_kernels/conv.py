@@ -289,9 +289,7 @@ def _make_split_image(control, up, norm=False, triple=False):
         outside x; channels past C are zero. flat: x as one row (the loads' addresses: one add a value)."""
         sh = cuda.shared.array(tile_shape, uint32)
         got = cuda.local.array(PER_THREAD, float32)
-        means = cuda.local.array(PER_THREAD, float32)     # norm: the affine of each of this thread's channels
-        gains = cuda.local.array(PER_THREAD, float32)
-        shifts = cuda.local.array(PER_THREAD, float32)
+        groups = cuda.local.array(PER_THREAD, int32)
         s = scale_of(peak[0])
         c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
@@ -307,10 +305,7 @@ def _make_split_image(control, up, norm=False, triple=False):
             per_group = gw.shape[0] // stats.shape[0]
             g, at_g = divmod32(c0 + ty, per_group)
             for j in range(PER_THREAD):
-                c = c0 + ty + j * ROWS
-                means[j], gains[j], shifts[j] = float32(0.0), float32(0.0), float32(0.0)
-                if c < c_in:
-                    means[j], gains[j], shifts[j] = stats[g, 0], gw[c] * stats[g, 1], gb[c]
+                groups[j] = g
                 at_g += ROWS
                 while at_g >= per_group:
                     at_g -= per_group
@@ -335,7 +330,7 @@ def _make_split_image(control, up, norm=False, triple=False):
                 if live and c < c_in:
                     v = got[j]
                     if norm:
-                        v = _silu((v - means[j]) * gains[j] + shifts[j])
+                        v = _gn_silu_of(v, c, groups[j], stats, gw, gb)
                     v *= s
                     hi = to_half(v)
                     lo = to_half(v - from_half(hi)) if not control else uint16(0)
