@@ -8,18 +8,20 @@ Reports: seconds from process start to the three components made (each hands its
 thread and returns), to the encoder's and the transformer's weights all on the GPU (their copies overlap the
 first encode's and the first step's eager passes, which load or compile the kernels and plan the products),
 and to the first denoising step, and how late a thread that sleeps 1 ms at a time woke up until then
-(GilProbe: long waits for the GIL would stall the uploader's copy threads too); per picture
+(GilProbe: long waits for the GIL would stall the uploader's copy threads too), with the uploader's host copy
+time, its whole time and its copy threads' wall and CPU seconds inside their copies; per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
 waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
 PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
-        [--host-profile profile.txt]
+        [--host-profile profile.txt] [--switch-interval S] [--copy-threads N]
 
 --host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
 written to that file, and the whole profile beside it (.prof, for pstats); the profiler slows the host, so
-such a run's seconds are not the figures.
+such a run's seconds are not the figures. --switch-interval and --copy-threads set the uploader's SWITCH_S
+(0: leave the interpreter's 5 ms) and THREADS for A/B runs of the start-up.
 """
 
 import threading
