@@ -109,11 +109,6 @@ for cls in (Uploader, LateUploader):
         nbytes = sum(h.nbytes for h in hosts) + sum(p.nbytes for p in parts)
         assert stats["bytes"] == nbytes and stats["arrays"] == len(hosts) + len(parts), stats
         assert stats["copies"] >= nbytes // 4096
-        # where the feeder's time went: its copies and waits are inside its whole time, and the copy threads'
-        # seconds inside their copies (summed over threads) can exceed the fills' wall time only by the threads
-        assert stats["host_s"] + stats["wait_s"] <= stats["feed_s"] + 1e-6, stats
-        assert 0 < stats["piece_s"] <= stats["host_s"] * stats["threads"] + 1e-6, stats
-        assert 0 <= stats["piece_cpu_s"] <= stats["piece_s"] * 1.5 + 0.05, stats
         # the buffers are reused after finish, and a wait-for-each call still works
         again = rng.standard_normal(3000).astype(np.float32)
         assert np.array_equal(up.to_device(again, wait=True).copy_to_host(), again)
