@@ -113,12 +113,12 @@ def main():
                          "uploader's SWITCH_S; 0: leave the interpreter's (5 ms) as it is")
     ap.add_argument("--copy-threads", type=int, help="the uploader's host copy threads (default: its THREADS)")
     args = ap.parse_args()
-    if args.copy_threads:
+    if args.copy_threads or args.switch_interval is not None:     # the uploader's settings for an A/B run
         from moss_cli.ops import cuda_upload
-        cuda_upload.THREADS = args.copy_threads
-    if args.switch_interval is not None:
-        from moss_cli.ops import cuda_upload
-        cuda_upload.SWITCH_S = args.switch_interval or None
+        if args.copy_threads:
+            cuda_upload.THREADS = args.copy_threads
+        if args.switch_interval is not None:
+            cuda_upload.SWITCH_S = args.switch_interval or None
     if args.host_profile:
         import cProfile
         profiler = cProfile.Profile()
