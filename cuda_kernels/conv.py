@@ -405,50 +405,78 @@ def _make_finish(control):
 
 def _make_gn_sums(control):
     @jit
-    def gn_sums(x, stats, partial, centred, extremes):
-        """partial[g, b] = sum over block b's share of group g (x [G, n]) of x (centred: (x - mean)^2, the mean
-        from the first pass's partials in stats[g, :]); extremes [2, G, parts] (or empty): that share's min and
-        max of x."""
+    def gn_sums(x, means, squares, extremes):
+        """One pass over block b's share of group g (x [G, n]; the elements i = b BLOCK + t + k GN step,
+        step = blocks BLOCK): with K the mean of min(BLOCK, n) values spread over the group (the same in every
+        block), S1 = sum (x - K) and S2 = sum (x - K)^2 over the share; means[g, b] = K + S1 / n_b and
+        squares[g, b] = S2 - S1^2 / n_b (its sum of squares about its own mean; both 0 / K for an empty share).
+        extremes [2, G, blocks] (or empty): the share's min and max of x."""
         sh = cuda.shared.array(BLOCK, float32)
+        sq = cuda.shared.array(BLOCK, float32)
         low = cuda.shared.array(BLOCK, float32)
         high = cuda.shared.array(BLOCK, float32)
         g, b, tid = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
         n = x.shape[1]
         ends = extremes.size > 0
-        mean = float32(0.0)
-        if centred:
-            for i in range(stats.shape[1]):
-                mean += stats[g, i]
-            mean /= float32(n)
-        acc = cuda.local.array(4, float32)    # four sums a thread, four loads in flight
+        taken = min(BLOCK, n)                 # the shift: a mean of values spread over the group
+        sh[tid] = x[g, U(tid * (n // taken))] if tid < taken else float32(0.0)
+        cuda.syncthreads()
+        half = BLOCK // 2
+        while half > 0:
+            if tid < half:
+                sh[tid] += sh[tid + half]
+            cuda.syncthreads()
+            half //= 2
+        shift = sh[0] / float32(taken)
+        cuda.syncthreads()                    # every thread has read sh[0] before it is written again
+        acc = cuda.local.array(4, float32)    # four sums of each kind a thread, four loads in flight
+        acc2 = cuda.local.array(4, float32)
         for u in range(4):
-            acc[u] = float32(0.0)
+            acc[u], acc2[u] = float32(0.0), float32(0.0)
         lo, hi = float32(math.inf), float32(-math.inf)
         step = cuda.gridDim.x * BLOCK
         i = b * BLOCK + tid
         while i < n:
             for u in range(4):
                 if i + u * step < n:
-                    v = x[g, U(i + u * step)] - mean
-                    acc[u] += v * v if centred and not control else v
+                    v = x[g, U(i + u * step)]
+                    d = v - shift
+                    acc[u] += d
+                    acc2[u] += d if control else d * d
                     if ends:
                         lo, hi = min(lo, v), max(hi, v)
             i += 4 * step
-        sh[tid], low[tid], high[tid] = (acc[0] + acc[1]) + (acc[2] + acc[3]), lo, hi
+        sh[tid], sq[tid] = (acc[0] + acc[1]) + (acc[2] + acc[3]), (acc2[0] + acc2[1]) + (acc2[2] + acc2[3])
+        low[tid], high[tid] = lo, hi
         cuda.syncthreads()
         half = BLOCK // 2
         while half > 0:
             if tid < half:
                 sh[tid] += sh[tid + half]
+                sq[tid] += sq[tid + half]
                 if ends:
                     low[tid], high[tid] = min(low[tid], low[tid + half]), max(high[tid], high[tid + half])
             cuda.syncthreads()
             half //= 2
         if tid == 0:
-            partial[g, b] = sh[0]
+            count = _share_count(n, b, cuda.gridDim.x)
+            mean, m2 = shift, float32(0.0)
+            if count > 0:
+                s1 = sh[0]
+                mean = shift + s1 / float32(count)
+                m2 = sq[0] - s1 * (s1 / float32(count))
+            means[g, b], squares[g, b] = mean, m2
             if ends:
                 extremes[0, g, b], extremes[1, g, b] = low[0], high[0]
     return gn_sums
+
+
+@jit(device=True, forceinline=True)
+def _share_count(n, b, blocks):
+    """Elements of a group of n that block b of `blocks` takes in gn_sums (b BLOCK + t + k blocks BLOCK)."""
+    step = blocks * BLOCK
+    full = n // step
+    return full * BLOCK + min(max(n - full * step - b * BLOCK, 0), BLOCK)
 
 
 SILU_LOW = 0.2785    # max |silu(y)| over y < 0 (at y = -1.2785: 0.27846...), rounded up
@@ -457,9 +485,11 @@ SILU_LOW = 0.2785    # max |silu(y)| over y < 0 (at y = -1.2785: 0.27846...), ro
 def _make_gn_stats(control):
     @jit
     def gn_stats(partial, n, eps, w, b, peak):
-        """partial[0, g, :2] = (mean, 1 / sqrt(var + eps)) of group g from its sums partial[0, g, :] and
-        centred squares partial[1, g, :] (one thread a group, one block). With w, b and peak [1] (else empty):
-        peak[0] = a bound on max |silu(group_norm(x))| from each group's extremes partial[2:4, g, :]: the
+        """partial[0, g, :2] = (mean, 1 / sqrt(var + eps)) of group g (n values) from its blocks' shares: their
+        means partial[0, g, :] and sums of squares about them partial[1, g, :] (gn_sums): the mean as the
+        first share's plus the counted differences, the squares as the shares' plus each count times its
+        mean's squared distance from the group's (one thread a group, one block). With w, b and peak [1] (else
+        empty): peak[0] = a bound on max |silu(group_norm(x))| from each group's extremes partial[2:4, g, :]: the
         affine y of a channel c is monotone in x, so over the group's [min, max] it spans [y_lo, y_hi] and
         |silu(y)| <= max(y_hi, 0) above zero and <= min(SILU_LOW, |y_lo| / 2) below it."""
         sh = cuda.shared.array(1024, float32)
@@ -467,16 +497,20 @@ def _make_gn_stats(control):
         groups = partial.shape[1]
         bound = float32(0.0)
         if g < groups:
-            mean, var = float32(0.0), float32(0.0)
             lo, hi = float32(math.inf), float32(-math.inf)
             ends = peak.size > 0
-            for j in range(partial.shape[2]):
-                mean += partial[0, g, j]
-                var += partial[1, g, j]
+            parts = partial.shape[2]
+            first, moved = partial[0, g, 0], float32(0.0)
+            for j in range(parts):
+                moved += float32(_share_count(n, j, parts)) * (partial[0, g, j] - first)
                 if ends:
                     lo, hi = min(lo, partial[2, g, j]), max(hi, partial[3, g, j])
-            mean /= n
-            rstd = float32(1.0) / math.sqrt(max(var / n, float32(0.0)) + eps)
+            mean = first + moved / float32(n)
+            m2 = float32(0.0)
+            for j in range(parts):
+                d = partial[0, g, j] - mean
+                m2 += partial[1, g, j] + float32(_share_count(n, j, parts)) * (d * d)
+            rstd = float32(1.0) / math.sqrt(max(m2 / float32(n), float32(0.0)) + eps)
             partial[0, g, 0] = mean
             partial[0, g, 1] = rstd
             if ends:
@@ -624,19 +658,19 @@ def _device_empty(ndim):
 
 
 def group_stats(x, groups, eps, partial, stream=0, control=False, peak=None, w=None, b=None, bound_control=False):
-    """The group statistics of x [C, H, W] float32 (consecutive channel groups; float32 sums: the mean, then the
-    squares about it) into the workspace partial [4, groups, GN_PARTS]; returns partial[0], whose [g, :2] are
-    group g's (mean, 1 / sqrt(var + eps)). With peak [1] and the affine w, b: peak[0] = a bound on
+    """The group statistics of x [C, H, W] float32 (consecutive channel groups; one pass of float32 sums about a
+    shift near the mean, each block's share then merged about its own mean) into the workspace partial
+    [4, groups, GN_PARTS]; returns partial[0], whose [g, :2] are group g's (mean, 1 / sqrt(var + eps)). With
+    peak [1] and the affine w, b: peak[0] = a bound on
     max |silu(group_norm(x))| from each group's min and max (at most a few times the max: the split's scale,
     without a pass over the values)."""
     xg = x.reshape(groups, x.size // groups)
     if groups > 1024:
         raise ValueError(f"group_stats takes at most 1024 groups, not {groups}")
     extremes = partial[2:4] if peak is not None else _empty(3)
-    _gn_sums[False][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[0], False, extremes)
-    _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], True, _empty(3))
+    _gn_sums[control][(GN_PARTS, groups), BLOCK, stream](xg, partial[0], partial[1], extremes)
     w, b, peak = (_empty(1), _empty(1), _empty(1)) if peak is None else (w, b, peak)
-    _gn_stats[bound_control][1, max(32, -(-groups // 32) * 32), stream](partial, np.float32(x.size // groups),
+    _gn_stats[bound_control][1, max(32, -(-groups // 32) * 32), stream](partial, x.size // groups,
                                                                       np.float32(eps), w, b, peak)
     return partial[0]
 
@@ -864,22 +898,54 @@ def product_bound(terms, k, peaks=0.0):
     return (3 * SPLIT_REL + gamma(3 * k) + 4 * EPS32) * terms + peaks * 2.0 ** -36 * k + 1e-30
 
 
+def _gn_stats_error(g):
+    """Per group of g [G, n] (float64), bounds on the float32 errors of gn_sums + gn_stats: (the mean's, the
+    variance's relative). Each share's sums about the shift K run n / (GN_PARTS BLOCK) terms a thread and a
+    tree of BLOCK: gamma_m relative to sum |x - K| (S1) and sum (x - K)^2 (S2); its mean K + S1 / n_b errs by
+    that over n_b, its squares S2 - S1^2 / n_b by gamma_m (S2 + 2 |S1 / n_b| sum |x - K|). The merge over the
+    GN_PARTS shares adds gamma_parts of the magnitudes it sums, and each share's mean error enters its squared
+    distance from the group's mean."""
+    groups, n = g.shape
+    parts, step = GN_PARTS, GN_PARTS * BLOCK
+    m = -(-n // step) + int(math.log2(BLOCK)) + 3
+    taken = min(BLOCK, n)
+    shift = g[:, np.arange(taken) * (n // taken)].mean(axis=1)
+    label = ((np.arange(n) % step) // BLOCK)[None, :] + parts * np.arange(groups)[:, None]
+
+    def per_share(v):
+        return np.bincount(label.ravel(), v.ravel(), groups * parts).reshape(groups, parts)
+
+    d = g - shift[:, None]
+    count = np.bincount(label[0], minlength=parts)[None, :].astype(np.float64)
+    live = np.maximum(count, 1.0)
+    s1, mag, sq = per_share(d), per_share(np.abs(d)), per_share(d * d)
+    share_mean = shift[:, None] + s1 / live
+    mean = g.mean(axis=1)
+    e_share = gamma(m) * mag / live + EPS32 * np.abs(share_mean)
+    moved = (count * np.abs(share_mean - share_mean[:, :1])).sum(axis=1) / n
+    e_mean = e_share.max(axis=1) + gamma(parts + 3) * (moved + np.abs(mean))
+    dist = np.abs(share_mean - mean[:, None])
+    m2 = (sq - s1 * s1 / live).sum(axis=1) + (count * dist ** 2).sum(axis=1)
+    e_m2 = (gamma(m) * (sq + 2 * np.abs(s1 / live) * mag)).sum(axis=1) \
+        + (2 * count * dist * (e_share + e_mean[:, None])).sum(axis=1) + gamma(2 * parts + 3) * m2
+    return e_mean, e_m2 / np.maximum(m2, 1e-300) + 2 * EPS32
+
+
 def group_norm_bound(x, w, b, groups, silu):
-    """Each float32 sum runs n / (GN_PARTS BLOCK) terms a thread, a tree of BLOCK, GN_PARTS partials: gamma_m
-    relative to the sum of magnitudes. The mean's error moves y by |w| rstd that much; the variance's
-    relative error (gamma_m and a few roundings) moves it by half that of |y - b|; silu's slope is below 1.1
-    and its special-function sigmoid (_silu) adds at most (10 + |y|) u sigmoid(y) |y| below zero, under 5 u |y|,
-    and about 6 u |y| above it."""
+    """The group statistics' errors (_gn_stats_error): the mean's moves y by |w| rstd that much; the
+    variance's relative error moves it by half that of |y - b| (and the rstd's own roundings, a few u);
+    silu's slope is below 1.1 and its special-function sigmoid (_silu) adds at most (10 + |y|) u sigmoid(y) |y|
+    below zero, under 5 u |y|, and about 6 u |y| above it."""
     x = np.asarray(x, np.float64)
-    n = x.size // groups
-    m = -(-n // (GN_PARTS * BLOCK)) + int(math.log2(BLOCK)) + GN_PARTS + 2
     g = x.reshape(groups, -1)
+    e_mean, e_var = _gn_stats_error(g)
+    per = x.shape[0] // groups
     rstd = 1 / np.sqrt(g.var(axis=1) + 1e-6)
-    shift = np.repeat(gamma(m) * np.abs(g).mean(axis=1) * rstd, x.shape[0] // groups)
+    shift = np.repeat(e_mean * rstd, per)[:, None, None]
+    spread = np.repeat(0.5 * e_var, per)[:, None, None]
     w64, b64 = np.abs(np.asarray(w, np.float64)), np.asarray(b, np.float64)
     y = group_norm_reference(x, w, b, groups, 0.0, False)
-    err = w64[:, None, None] * shift[:, None, None] + (0.5 * gamma(m) + 6 * EPS32) * np.abs(y - b64[:, None, None]) \
-        + 2 * EPS32 * np.abs(y)
+    err = w64[:, None, None] * shift + (spread + 6 * EPS32) * np.abs(y - b64[:, None, None]) + 2 * EPS32 * np.abs(y)
     return (1.1 * err + 6 * EPS32 * np.abs(y)) if silu else err + 1e-30
 
 
@@ -1135,7 +1201,7 @@ CASES = [
          notes="silu(group_norm(x)) made in the split's reads, the peak its statistics' bound; control: the split's "
                "lo parts zero"),
     Case("finish", _make_finish_inputs, _run_finish, _ref_finish, notes="control: bias[0] for every column"),
-    Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the second pass sums x - mean, not its square"),
+    Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the squares' sums take x - K, not its square"),
     Case("group_norm_peak", _make_gn, _run_gn_peak, _ref_gn_peak,
          notes="the statistics' bound on max |silu(group_norm(x))|; control: the bound leaves the mean in"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
