@@ -12,6 +12,8 @@ through the pinned staging uploader (moss_cli/ops/cuda_upload.py). Runs:
   baseline  warm, the previous path: cuda.to_device per tensor from the memory map (pageable copies)
   product   warm, the product's load: CudaEncoder.upload and CudaDenoiser.upload (their weight lists, stacks
             included, handed to the uploader's thread) and the VAE's params, until every copy is done
+  lanes     warm, every tensor handed over at once (CudaOps.preload) to the native lanes
+            (moss_cli/ops/cuda_lanes.py, --threads lanes); the other runs use the Python feeder
 
     python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
@@ -127,7 +129,11 @@ def child(model, mode, staging_mb, buffers, threads):
     t = time.perf_counter()
     ckpt = open_checkpoint(model)
     marks["open_checkpoint_s"] = time.perf_counter() - t
-    up = cuda_upload._SHARED = cuda_upload.Uploader(staging_mb << 20, buffers, threads)
+    if mode == "lanes":
+        from moss_cli.ops.cuda_lanes import LaneUploader
+        up = cuda_upload._SHARED = LaneUploader(lanes=threads)
+    else:
+        up = cuda_upload._SHARED = cuda_upload.Uploader(staging_mb << 20, buffers, threads)
     free0, total_mem = cuda.current_context().get_memory_info()
     components = {}
     kept = []
@@ -152,6 +158,11 @@ def child(model, mode, staging_mb, buffers, threads):
                         from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host, dtype=np.float32))
                 kept.append(out)
                 nbytes += out.nbytes
+        elif mode == "lanes":
+            ops = CudaOps()
+            ops.preload(comp.tensors, wanted)
+            nbytes = sum(a.nbytes for a in _device_arrays(ops))
+            kept.append(ops)
         else:
             ops = CudaOps()
             for key in wanted:
@@ -240,7 +251,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--out", type=Path, help="results JSON")
-    p.add_argument("--runs", default="warm,warm,baseline,cold", help="comma-separated: warm, cold, baseline, product")
+    p.add_argument("--runs", default="warm,warm,baseline,cold", help="comma-separated: warm, cold, baseline, product, lanes")
     p.add_argument("--sweep", action="store_true", help="also warm runs over staging size, buffers and threads")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--buffers", type=int, default=3)
@@ -274,7 +285,7 @@ def main(argv=None):
         plan = [r for r in plan if r[0] != "cold"] + [("warm", *s) for s in SWEEP] + cold
     results = []
     for mode, staging_mb, buffers, threads in plan:
-        if mode not in ("warm", "cold", "baseline", "product"):
+        if mode not in ("warm", "cold", "baseline", "product", "lanes"):
             sys.exit(f"unknown run {mode!r}")
         entry = {}
         if mode == "cold":

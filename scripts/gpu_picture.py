@@ -8,20 +8,21 @@ Reports: seconds from process start to the three components made (each hands its
 thread and returns), to the encoder's and the transformer's weights all on the GPU (their copies overlap the
 first encode's and the first step's eager passes, which load or compile the kernels and plan the products),
 and to the first denoising step, and how late a thread that sleeps 1 ms at a time woke up until then
-(GilProbe: long waits for the GIL would stall the uploader's copy threads too), with the uploader's host copy
-time, its whole time and its copy threads' wall and CPU seconds inside their copies; per picture
+(GilProbe: long waits for the GIL stall the feeder uploader's copy threads; the native lanes take it once a
+batch), with the uploader's stats (the lanes' wall and CPU seconds inside their loops); per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
 waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
 PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
-        [--host-profile profile.txt] [--switch-interval S] [--copy-threads N]
+        [--host-profile profile.txt] [--uploader lanes|feeder] [--copy-threads N]
 
 --host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
 written to that file, and the whole profile beside it (.prof, for pstats); the profiler slows the host, so
-such a run's seconds are not the figures. --switch-interval and --copy-threads set the uploader's SWITCH_S
-(0: leave the interpreter's 5 ms) and THREADS for A/B runs of the start-up.
+such a run's seconds are not the figures. --uploader feeder takes the Python feeder with copy threads
+(cuda_upload.Uploader) instead of the native lanes (cuda_lanes.LaneUploader), and --copy-threads sets the
+lanes (or the feeder's copy threads), for A/B runs of the start-up.
 """
 
 import threading
@@ -108,17 +109,15 @@ def main():
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
     ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
-    ap.add_argument("--switch-interval", type=float,
-                    help="the interpreter's switch interval (s) while weights are in flight, instead of the "
-                         "uploader's SWITCH_S; 0: leave the interpreter's (5 ms) as it is")
-    ap.add_argument("--copy-threads", type=int, help="the uploader's host copy threads (default: its THREADS)")
+    ap.add_argument("--uploader", choices=("lanes", "feeder"), default="lanes",
+                    help="lanes: the native lanes (the product's); feeder: the Python feeder and its copy threads")
+    ap.add_argument("--copy-threads", type=int, help="the lanes, or the feeder's copy threads (default: 8)")
     args = ap.parse_args()
-    if args.copy_threads or args.switch_interval is not None:     # the uploader's settings for an A/B run
-        from moss_cli.ops import cuda_upload
+    if args.device == "cuda":      # the uploader's settings for an A/B run
+        from moss_cli.ops import cuda_lanes, cuda_upload
+        cuda_upload.LANES = args.uploader == "lanes"
         if args.copy_threads:
-            cuda_upload.THREADS = args.copy_threads
-        if args.switch_interval is not None:
-            cuda_upload.SWITCH_S = args.switch_interval or None
+            cuda_upload.THREADS = cuda_lanes.LANES = args.copy_threads
     if args.host_profile:
         import cProfile
         profiler = cProfile.Profile()
@@ -151,12 +150,12 @@ def _uploaded(model_device):
     return dict(uploader().stats())
 
 
-def _switch_interval(model_device):
-    """The switch interval the uploader sets while weights are in flight (None: the interpreter's)."""
+def _uploader_kind(model_device):
+    """Which uploader the process uses: lanes, or the feeder with its switch interval (None on the CPU)."""
     if model_device != "cuda":
         return None
     from moss_cli.ops import cuda_upload
-    return cuda_upload.SWITCH_S
+    return "lanes" if cuda_upload.LANES else f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
 
 
 def _landed(out, up):
@@ -165,15 +164,16 @@ def _landed(out, up):
     if up is None or up["landed_at"] is None:
         return
     out["start_to_loaded_s"] = up["landed_at"] - START
-    out["uploader"] = {k: up[k] for k in ("bytes", "arrays", "host_s", "wait_s", "feed_s", "piece_s", "piece_cpu_s",
-                                          "threads")}
-    switch = out["switch_interval_s"]
-    print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB "
-          f"through the uploader's thread: host copies {up['host_s']:.2f} s, waits for the device "
-          f"{up['wait_s']:.2f} s, all its work {up['feed_s']:.2f} s; {up['threads']} copy threads inside their copies "
-          f"{up['piece_s']:.2f} s, {up['piece_cpu_s']:.2f} s of CPU; switch interval "
-          f"{f'{switch * 1e3:g} ms' if switch else 'the interpreter default'}); first step at {out['start_to_first_step_s']:.2f} s",
-          flush=True)
+    out["uploader"] = {k: v for k, v in up.items() if k != "landed_at"}
+    if "host_cpu_s" in up:
+        how = (f"{up['threads']} native lanes, {up['host_s']:.2f} s inside their loops, {up['host_cpu_s']:.2f} s of "
+               f"CPU")
+    else:
+        how = (f"the feeder: host copies {up['host_s']:.2f} s, all its work {up['feed_s']:.2f} s; {up['threads']} "
+               f"copy threads inside their copies {up['piece_s']:.2f} s, {up['piece_cpu_s']:.2f} s of CPU")
+    print(f"weights on the GPU {out['start_to_loaded_s']:.2f} s after process start ({up['bytes'] / 1e9:.2f} GB; "
+          f"{how}; waits for the device {up['wait_s']:.2f} s; {out['uploader_kind']}); first step at "
+          f"{out['start_to_first_step_s']:.2f} s", flush=True)
     gil = out["gil_probe_to_first_step"]
     print(f"a thread sleeping 1 ms at a time up to the first step: {gil['late_5ms']} of {gil['wakeups']} wake-ups "
           f"over 5 ms late ({gil['late_5ms_s']:.2f} s in all), the latest {gil['latest_ms']:.0f} ms", flush=True)
@@ -194,7 +194,7 @@ def run(args):
         getattr(model, part)
         parts[part] = time.perf_counter() - t
     made = time.perf_counter()
-    out = {"switch_interval_s": _switch_interval(args.device), "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
+    out = {"uploader_kind": _uploader_kind(args.device), "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
            "start_to_made_s": made - START, "start_to_loaded_s": made - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"components made {made - START:.2f} s after process start (imports {imported - START:.2f} s; "

@@ -254,11 +254,17 @@ def _event():
 
 
 _SHARED = None
+LANES = not SIMULATED       # the process-wide uploader: native lanes (cuda_lanes) on a GPU, this feeder otherwise
 
 
 def uploader():
-    """The process-wide Uploader (CudaOps.param and params send weights through it)."""
+    """The process-wide uploader (CudaOps.param and params send weights through it): a cuda_lanes.LaneUploader
+    where LANES (a GPU), else an Uploader (the simulator; a GPU run that sets LANES = False, for A/B runs)."""
     global _SHARED
     if _SHARED is None:
-        _SHARED = Uploader()
+        if LANES:
+            from .cuda_lanes import LaneUploader
+            _SHARED = LaneUploader()
+        else:
+            _SHARED = Uploader()
     return _SHARED

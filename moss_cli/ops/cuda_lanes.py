@@ -1,0 +1,326 @@
+"""Host weights to the GPU in native lanes: the copies need the GIL only between batches.
+
+The feeder uploader (cuda_upload.Uploader) takes the GIL around every host copy, every driver call and every
+hand-off to its copy threads. While the caller's thread runs Python (a component's first pass: kernels loaded,
+products planned, graphs captured) each of those waits for the GIL, and the weights land late. Here each of
+LANES threads runs one compiled loop (`run_lane`, numba `njit(nogil=True)`) over every piece it has been handed,
+calling libc's memcpy and the CUDA driver (cuMemcpyHtoDAsync, cuEventRecord, cuEventSynchronize) through their C
+entry points, so a lane takes the GIL once a batch, not once a piece.
+
+A lane owns SLOTS pinned staging slots of SLOT_BYTES and one blocking stream (work queued later on the legacy
+default stream waits for its copies, as with the feeder). Its loop copies a piece into the current slot
+(pieces smaller than what is left of it share the slot, each at an ALIGN boundary), queues the slot's bytes to
+the device, and when a piece does not fit records an event behind the slot and moves to the next, waiting for
+that slot's own event first. An array is cut into pieces of at most SLOT_BYTES, each handed to the lane with the
+fewest bytes so far; `done[lane]` counts the pieces each lane has queued, and an array's future completes once
+every lane has queued the pieces it was handed up to that array's last.
+
+    up = LaneUploader()                  # the same API as cuda_upload.Uploader
+    dev, queued = up.to_device_later(host)     # at once; queued.result() once its copies are queued
+    up.finish()                          # every copy done; the stats
+
+The driver's calls go through `Driver`; a test gives a fake one whose copies run only when an event or a
+synchronize forces them, so a slot refilled before its copies ran shows.
+"""
+
+import ctypes
+import os
+import threading
+import time
+
+import numpy as np
+from numba import njit
+
+LANES = min(8, os.cpu_count() or 1)   # lane threads
+SLOTS = 3                              # pinned staging slots a lane
+SLOT_BYTES = 16 << 20                  # one slot; the largest piece
+ALIGN = 256                            # each piece starts at a multiple of this in its slot
+POLL_S = 0.0002                        # a waiting future looks at the lanes' counts this often
+
+
+@njit(nogil=True, cache=True)
+def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcpy, htod, record, wait):
+    """Queue every piece (rows: device address, host address, bytes) through this lane's slots, in order.
+
+    stage: the address of the lane's first slot (the others follow, slot_bytes apart); events: one per slot;
+    state: [current slot, bytes of it used, then per slot 1 while an event recorded behind it is unwaited],
+    kept between calls; done[lane] += 1 after each piece's copy is queued. Returns 0, or the first nonzero
+    status of a driver call (the state then tells where it stopped)."""
+    slots = events.shape[0]
+    cur = state[0]
+    used = state[1]
+    for i in range(pieces.shape[0]):
+        nbytes = pieces[i, 2]
+        if used + nbytes > slot_bytes:
+            status = record(events[cur], stream)
+            if status != 0:
+                return status
+            state[2 + cur] = 1
+            cur = (cur + 1) % slots
+            used = 0
+            state[0] = cur
+            state[1] = 0
+            if state[2 + cur] != 0:
+                status = wait(events[cur])
+                if status != 0:
+                    return status
+                state[2 + cur] = 0
+        at = stage + cur * slot_bytes + used
+        memcpy(at, pieces[i, 1], nbytes)
+        status = htod(pieces[i, 0], at, nbytes, stream)
+        if status != 0:
+            return status
+        used += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        state[1] = used
+        done[lane] += 1
+    return 0
+
+
+def _c_function(lib, name, restype, *argtypes):
+    """lib's `name` as a fresh ctypes function object (its own argtypes, not the library's cached attribute)."""
+    function = lib[name]
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function
+
+
+class Driver:
+    """The CUDA driver and libc through ctypes, as the lanes use them; device arrays are numba's."""
+
+    def __init__(self):
+        from numba import cuda
+        self._cuda = cuda
+        u64, status = ctypes.c_uint64, ctypes.c_int
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.htod = _c_function(lib, "cuMemcpyHtoDAsync_v2", status, u64, u64, ctypes.c_size_t, u64)
+        self.record = _c_function(lib, "cuEventRecord", status, u64, u64)
+        self.wait = _c_function(lib, "cuEventSynchronize", status, u64)
+        self._stream_sync = _c_function(lib, "cuStreamSynchronize", status, u64)
+        self.memcpy = _c_function(ctypes.CDLL(None), "memcpy", u64, u64, u64, ctypes.c_size_t)
+        self._kept = []             # numba's stream and event objects, alive as long as the driver
+
+    def activate(self):
+        """Make the process's CUDA context current on the calling (lane) thread."""
+        self._cuda.current_context()
+
+    def staging(self, nbytes):
+        return self._cuda.pinned_array(nbytes, np.uint8)
+
+    def new_stream(self):
+        stream = self._cuda.stream()
+        self._kept.append(stream)
+        return _handle(stream)
+
+    def new_event(self):
+        event = self._cuda.event(timing=False)
+        self._kept.append(event)
+        return _handle(event)
+
+    def stream_sync(self, stream):
+        _check(self._stream_sync(stream), "cuStreamSynchronize")
+
+    def empty(self, shape, dtype):
+        return self._cuda.device_array(shape, dtype)
+
+    @staticmethod
+    def address(array):
+        return array.__cuda_array_interface__["data"][0]
+
+
+def _handle(obj):
+    """A numba stream's or event's driver handle as an integer (NVIDIA binding objects or ctypes pointers)."""
+    handle = obj.handle
+    try:
+        return int(handle)
+    except TypeError:
+        return int(handle.value or 0)
+
+
+def _contiguous(array):
+    """C-contiguous, for a numba device array or (a test's stand-in) a numpy one."""
+    return array.is_c_contiguous() if hasattr(array, "is_c_contiguous") else array.flags.c_contiguous
+
+
+def _check(status, call):
+    if status != 0:
+        raise RuntimeError(f"{call} failed with CUDA driver status {status}")
+
+
+class Queued:
+    """An array's copies queued (the future `to_device_later` returns): result() waits for them."""
+
+    def __init__(self, uploader, need):
+        self._up, self._need = uploader, need
+
+    def done(self):
+        return bool((self._up._done >= self._need).all())
+
+    def result(self, timeout=None):
+        limit = None if timeout is None else time.perf_counter() + timeout
+        while not self.done():
+            if self._up._error is not None:
+                raise self._up._error
+            if limit is not None and time.perf_counter() > limit:
+                raise TimeoutError("the lanes did not queue this array's copies in time")
+            time.sleep(POLL_S)
+
+
+class LaneUploader:
+    """host arrays -> device arrays through `lanes` native lanes of `slots` pinned slots of `slot_bytes`."""
+
+    def __init__(self, lanes=None, slots=None, slot_bytes=None, driver=None):
+        self.lanes = max(1, int(LANES if lanes is None else lanes))
+        self.slots = int(SLOTS if slots is None else slots)
+        if self.slots < 2:
+            raise ValueError("a lane needs at least two staging slots to overlap copies")
+        self.slot_bytes = -(-int(SLOT_BYTES if slot_bytes is None else slot_bytes) // ALIGN) * ALIGN
+        self.driver = driver
+        self._cond = threading.Condition()
+        self._threads = None
+        self._error = None
+        self.reset_stats()
+
+    # --- the API (as cuda_upload.Uploader's) ---------------------------------------------------------
+    def to_device(self, host, out=None, wait=False):
+        out, queued = self.to_device_later(host, out)
+        queued.result()
+        if wait:
+            self.finish()
+        return out
+
+    def to_device_later(self, host, out=None):
+        """(device array, future) at once; the future completes when every copy of `host` is queued (stream 0
+        work queued after that runs after them). Until then nothing may read the device array, nor `host` change."""
+        host = np.asarray(host)
+        if host.dtype.name == "bfloat16":
+            host = host.view(np.uint16)
+        if not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host)
+        self._start()
+        if out is None:
+            out = self.driver.empty(host.shape, host.dtype)
+        elif out.size * out.dtype.itemsize != host.nbytes or not _contiguous(out):
+            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
+                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
+        src = host.reshape(-1).view(np.uint8)
+        dst = self.driver.address(out) if host.nbytes else 0
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            for begin in range(0, src.size, self.slot_bytes):
+                take = min(self.slot_bytes, src.size - begin)
+                lane = int(np.argmin(self._lane_bytes))
+                self._pending[lane].append((dst + begin, src.ctypes.data + begin, take, src))
+                self._handed[lane] += 1
+                self._lane_bytes[lane] += take
+                self._idle[lane] = False
+            need = self._handed.copy()
+            self.arrays += 1
+            self.bytes += src.size
+            self._cond.notify_all()
+        return out, Queued(self, need)
+
+    def finish(self):
+        """Block until every array handed over is on the device; the stats so far."""
+        if self._threads is None:
+            return self.stats()
+        with self._cond:
+            while not (self._done >= self._handed).all() and self._error is None:
+                self._cond.wait(0.01)
+            if self._error is not None:
+                raise self._error
+        start = time.perf_counter()
+        for stream in self._streams:
+            self.driver.stream_sync(stream)
+        self.wait_s += time.perf_counter() - start
+        if self.began is not None:
+            self.seconds = time.perf_counter() - self.began
+        return self.stats()
+
+    def stats(self):
+        """bytes and arrays sent, device copies queued, seconds from the first array to the last `finish`,
+        bytes per second; host_s and host_cpu_s: the lanes' wall and CPU seconds inside their loops (copies
+        into the slots, driver calls, waits for a slot), summed over the lanes; wait_s: finish's waits for the
+        device; landed_at: time.perf_counter() when every lane had last run out of work and found its copies done."""
+        copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
+        return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
+                "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
+                "host_cpu_s": self.host_cpu_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
+                "staging_bytes": self.slot_bytes, "buffers": self.slots, "threads": self.lanes}
+
+    def reset_stats(self):
+        self.bytes = self.arrays = 0
+        self.host_s = self.host_cpu_s = self.wait_s = self.seconds = 0.0
+        self.began = self.landed_at = None
+        self._copies_before = int(self._done.sum()) if self._threads is not None else 0
+
+    def close(self):
+        """Finish, then stop the lanes (started again on next use)."""
+        if self._threads is None:
+            return
+        self.finish()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads = None
+
+    # --- the lanes ---------------------------------------------------------------------------------------
+    def _start(self):
+        if self.began is None:
+            self.began = time.perf_counter()
+        if self._threads is not None:
+            return
+        if self.driver is None:
+            self.driver = Driver()
+        n = self.lanes
+        self._stage = self.driver.staging(n * self.slots * self.slot_bytes)
+        base = self._stage.ctypes.data
+        self._bases = [base + lane * self.slots * self.slot_bytes for lane in range(n)]
+        self._streams = [self.driver.new_stream() for _ in range(n)]
+        self._events = [np.array([self.driver.new_event() for _ in range(self.slots)], np.int64) for _ in range(n)]
+        self._states = [np.zeros(2 + self.slots, np.int64) for _ in range(n)]
+        self._done = np.zeros(n, np.int64)        # pieces queued, per lane (written only by that lane's loop)
+        self._handed = np.zeros(n, np.int64)      # pieces handed over, per lane
+        self._lane_bytes = np.zeros(n, np.int64)
+        self._pending = [[] for _ in range(n)]
+        self._idle = [True] * n
+        self._closing = False
+        self._threads = [threading.Thread(target=self._lane_main, args=(lane,), name=f"upload-lane{lane}",
+                                          daemon=True) for lane in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def _lane_main(self, lane):
+        driver = self.driver
+        driver.activate()
+        while True:
+            with self._cond:
+                while not self._pending[lane] and not self._closing:
+                    self._cond.wait()
+                if not self._pending[lane]:
+                    return
+                batch, self._pending[lane] = self._pending[lane], []
+            pieces = np.array([piece[:3] for piece in batch], np.int64)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            status = run_lane(pieces, self._bases[lane], self.slot_bytes, self._events[lane], self._streams[lane],
+                              self._states[lane], self._done, lane, driver.memcpy, driver.htod, driver.record,
+                              driver.wait)
+            wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+            del batch                         # the host arrays' bytes are in the slots now
+            with self._cond:
+                self.host_s += wall
+                self.host_cpu_s += cpu
+                if status != 0:
+                    self._error = RuntimeError(f"upload lane {lane}: a CUDA driver call failed with status {status}")
+                    self._cond.notify_all()
+                    return
+                idle = not self._pending[lane]
+            if idle:                          # nothing more for now: wait for this lane's copies, note the time
+                driver.stream_sync(self._streams[lane])
+                with self._cond:
+                    if not self._pending[lane]:
+                        self._idle[lane] = True
+                        if all(self._idle):
+                            self.landed_at = time.perf_counter()
+                    self._cond.notify_all()

@@ -1,0 +1,173 @@
+"""The native upload lanes (moss_cli/ops/cuda_lanes.py) on the CPU: the compiled loop `run_lane` runs as on the GPU,
+with a fake driver whose "device" is host memory and whose copies run only when an event recorded behind them is
+waited for or their stream synchronized (as an asynchronous copy may). Uploaded arrays equal the host arrays bit
+for bit (larger than a slot, exactly a slot, many small ones sharing slots, bf16, non-contiguous, stacked rows
+through `out=`); controls: a loop that refills a slot without waiting for its event, a future that completes
+before its copies are queued, a driver call that fails."""
+
+import ctypes
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="numba is not installed")
+from moss_cli.ops import cuda_lanes                      # noqa: E402
+from moss_cli.ops.cuda_lanes import LaneUploader         # noqa: E402
+
+STATUS, U64 = ctypes.c_int, ctypes.c_uint64
+
+
+class FakeDriver:
+    """Host memory as the device. htod only queues (dst, src, n) on its stream; an event's wait or a stream's
+    synchronize runs the queued copies up to that point, reading the staging slot then. `careless`: waits run
+    nothing (a loop that does not wait for a slot's event before refilling it sees no difference then, but its
+    bytes do)."""
+
+    def __init__(self, careless=False, fail_at=None, gate=None):
+        self.queues, self.ran, self.marks = {}, {}, {}
+        self.lock = threading.RLock()
+        self.careless, self.fail_at, self.gate = careless, fail_at, gate
+        self.calls = 0
+        self.memcpy = cuda_lanes._c_function(ctypes.CDLL(None), "memcpy", U64, U64, U64, ctypes.c_size_t)
+        self.htod = ctypes.CFUNCTYPE(STATUS, U64, U64, ctypes.c_size_t, U64)(self._htod)
+        self.record = ctypes.CFUNCTYPE(STATUS, U64, U64)(self._record)
+        self.wait = ctypes.CFUNCTYPE(STATUS, U64)(self._wait)
+        self._kept, self._ids = [], 0
+
+    def _htod(self, dst, src, n, stream):
+        if self.gate is not None:
+            self.gate.wait()
+        with self.lock:
+            self.calls += 1
+            if self.fail_at is not None and self.calls >= self.fail_at:
+                return 700
+            self.queues[stream].append((dst, src, n))
+        return 0
+
+    def _record(self, event, stream):
+        with self.lock:
+            self.marks[event] = (stream, len(self.queues[stream]))
+        return 0
+
+    def _wait(self, event):
+        if not self.careless:
+            self._run(*self.marks[event])
+        return 0
+
+    def _run(self, stream, upto):
+        with self.lock:
+            queue = self.queues[stream]
+            while self.ran[stream] < upto:
+                ctypes.memmove(*queue[self.ran[stream]])
+                self.ran[stream] += 1
+
+    def stream_sync(self, stream):
+        self._run(stream, len(self.queues[stream]))
+
+    def activate(self):
+        pass
+
+    def staging(self, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+    def _id(self):
+        self._ids += 1
+        return self._ids
+
+    def new_stream(self):
+        stream = self._id()
+        self.queues[stream], self.ran[stream] = [], 0
+        return stream
+
+    def new_event(self):
+        return self._id()
+
+    def empty(self, shape, dtype):
+        out = np.empty(shape, dtype)
+        out.view(np.uint8)[...] = 0xA5            # unfilled bytes, unlike any array below
+        return out
+
+    @staticmethod
+    def address(array):
+        return array.ctypes.data
+
+
+def arrays(rng):
+    out = [rng.integers(0, 1 << 16, 10_000, dtype=np.uint16).reshape(100, 100),          # 5 slots' worth
+           rng.standard_normal((37, 129)).astype(np.float32),                             # not a multiple of 256
+           rng.standard_normal((64, 48)).astype(ml_dtypes.bfloat16),                      # bf16 -> its bits
+           rng.standard_normal((30, 20)).astype(np.float32).T,                            # not contiguous
+           rng.integers(0, 1 << 16, 4096 // 2, dtype=np.uint16)]                          # exactly one slot
+    out += [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1, 60, 200)]   # many small
+    return out
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def upload_all(driver, lanes=3, slots=2):
+    rng = np.random.default_rng(0)
+    up = LaneUploader(lanes=lanes, slots=slots, slot_bytes=4096, driver=driver)
+    hosts = arrays(rng)
+    devs = [up.to_device_later(h)[0] for h in hosts]
+    parts = [rng.integers(0, 1 << 16, (r, 96), dtype=np.uint16) for r in (5, 40, 1, 17)]
+    stacked = driver.empty((sum(p.shape[0] for p in parts), 96), np.uint16)
+    row = 0
+    for p in parts:                     # stacked rows into one array, the way CudaOps.params stacks weights
+        up.to_device_later(p, out=stacked[row:row + p.shape[0]])
+        row += p.shape[0]
+    stats = up.finish()
+    up.close()
+    same = all(np.array_equal(d.view(np.uint8), bits(h).view(np.uint8)) for h, d in zip(hosts, devs))
+    return same and np.array_equal(stacked, np.concatenate(parts)), stats, hosts, parts
+
+
+@pytest.mark.parametrize("lanes,slots", [(1, 2), (3, 2), (2, 3)])
+def test_lanes_upload_every_byte(lanes, slots):
+    same, stats, hosts, parts = upload_all(FakeDriver(), lanes, slots)
+    assert same
+    nbytes = sum(h.nbytes for h in hosts) + sum(p.nbytes for p in parts)
+    assert stats["bytes"] == nbytes and stats["arrays"] == len(hosts) + len(parts), stats
+    assert stats["copies"] >= nbytes // 4096 and stats["landed_at"] is not None
+
+
+def test_control_a_slot_refilled_before_its_copies_ran_is_caught():
+    same, _, _, _ = upload_all(FakeDriver(careless=True))
+    assert not same
+
+
+def test_a_future_completes_only_once_its_copies_are_queued():
+    gate = threading.Event()
+    driver = FakeDriver(gate=gate)
+    up = LaneUploader(lanes=2, slots=2, slot_bytes=4096, driver=driver)
+    host = np.arange(5000, dtype=np.float32)
+    dev, queued = up.to_device_later(host)             # returns while the lanes are held at their first copy
+    assert not queued.done()
+    with pytest.raises(TimeoutError):
+        queued.result(timeout=0.05)
+    gate.set()
+    queued.result()
+    assert queued.done() and driver.calls == -(-host.nbytes // 4096)
+    up.finish()
+    assert np.array_equal(dev, host)
+    up.close()
+
+
+def test_a_failed_driver_call_raises_in_the_waiting_caller():
+    up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=FakeDriver(fail_at=3))
+    _, queued = up.to_device_later(np.zeros(10_000, np.float32))
+    with pytest.raises(RuntimeError, match="status 700"):
+        queued.result()
+    with pytest.raises(RuntimeError, match="status 700"):
+        up.finish()
+
+
+def test_a_wrong_sized_out_is_refused():
+    up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=FakeDriver())
+    with pytest.raises(ValueError, match="not a contiguous array"):
+        up.to_device_later(np.zeros(10, np.float32), out=np.zeros(9, np.float32))
+    up.close()
