@@ -13,7 +13,10 @@ default stream waits for its copies, as with the feeder). Its loop copies a piec
 the device, and when a piece does not fit records an event behind the slot and moves to the next, waiting for
 that slot's own event first. An array is cut into pieces of at most SLOT_BYTES, each handed to the lane with the
 fewest bytes so far; `done[lane]` counts the pieces each lane has queued, and an array's future completes once
-every lane has queued the pieces it was handed up to that array's last.
+every lane has queued the pieces it was handed up to that array's last. A woken lane gathers pieces for up to
+GATHER_S (or GATHER_PIECES, GATHER_BYTES) before it takes the GIL for its batch, so while the caller hands a
+component's weights over one by one the lanes do not take the GIL from it at every piece; a caller waiting
+for an array (`result`, `finish`) cuts the gathering short.
 
     up = LaneUploader()                  # the same API as cuda_upload.Uploader
     dev, queued = up.to_device_later(host)     # at once; queued.result() once its copies are queued
@@ -36,6 +39,10 @@ SLOTS = 3                              # pinned staging slots a lane
 SLOT_BYTES = 16 << 20                  # one slot; the largest piece
 ALIGN = 256                            # each piece starts at a multiple of this in its slot
 POLL_S = 0.0002                        # a waiting future looks at the lanes' counts this often
+GATHER_S = 0.01                        # a woken lane waits this long for more pieces (or for these many:)
+GATHER_PIECES = 32
+GATHER_BYTES = 64 << 20
+IDLE, GATHER, RUN = 0, 1, 2            # a lane thread: waiting for work, gathering pieces, in its loop
 
 
 @njit(nogil=True, cache=True)
@@ -155,13 +162,22 @@ class Queued:
         return bool((self._up._done >= self._need).all())
 
     def result(self, timeout=None):
+        if self.done():
+            return
+        up = self._up
         limit = None if timeout is None else time.perf_counter() + timeout
-        while not self.done():
-            if self._up._error is not None:
-                raise self._up._error
-            if limit is not None and time.perf_counter() > limit:
-                raise TimeoutError("the lanes did not queue this array's copies in time")
-            time.sleep(POLL_S)
+        with up._lock:
+            up._hurry_lanes(1)
+        try:
+            while not self.done():
+                if up._error is not None:
+                    raise up._error
+                if limit is not None and time.perf_counter() > limit:
+                    raise TimeoutError("the lanes did not queue this array's copies in time")
+                time.sleep(POLL_S)
+        finally:
+            with up._lock:
+                up._hurry -= 1
 
 
 class LaneUploader:
@@ -174,7 +190,9 @@ class LaneUploader:
             raise ValueError("a lane needs at least two staging slots to overlap copies")
         self.slot_bytes = -(-int(SLOT_BYTES if slot_bytes is None else slot_bytes) // ALIGN) * ALIGN
         self.driver = driver
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)      # progress and errors (finish waits on it)
+        self._hurry = 0                                     # callers waiting for copies: lanes gather no longer
         self._threads = None
         self._error = None
         self.reset_stats()
@@ -210,13 +228,15 @@ class LaneUploader:
                 take = min(self.slot_bytes, src.size - begin)
                 lane = int(np.argmin(self._lane_bytes))
                 self._pending[lane].append((dst + begin, src.ctypes.data + begin, take, src))
+                self._pending_bytes[lane] += take
                 self._handed[lane] += 1
                 self._lane_bytes[lane] += take
                 self._idle[lane] = False
+                if self._phase[lane] == IDLE or (self._phase[lane] == GATHER and self._gathered(lane)):
+                    self._wake[lane].notify()
             need = self._handed.copy()
             self.arrays += 1
             self.bytes += src.size
-            self._cond.notify_all()
         return out, Queued(self, need)
 
     def finish(self):
@@ -224,8 +244,12 @@ class LaneUploader:
         if self._threads is None:
             return self.stats()
         with self._cond:
-            while not (self._done >= self._handed).all() and self._error is None:
-                self._cond.wait(0.01)
+            self._hurry_lanes(1)
+            try:
+                while not (self._done >= self._handed).all() and self._error is None:
+                    self._cond.wait(0.01)
+            finally:
+                self._hurry -= 1
             if self._error is not None:
                 raise self._error
         start = time.perf_counter()
@@ -260,7 +284,8 @@ class LaneUploader:
         self.finish()
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
+            for wake in self._wake:
+                wake.notify()
         for thread in self._threads:
             thread.join()
         self._threads = None
@@ -284,6 +309,9 @@ class LaneUploader:
         self._handed = np.zeros(n, np.int64)      # pieces handed over, per lane
         self._lane_bytes = np.zeros(n, np.int64)
         self._pending = [[] for _ in range(n)]
+        self._pending_bytes = [0] * n
+        self._phase = [RUN] * n
+        self._wake = [threading.Condition(self._lock) for _ in range(n)]
         self._idle = [True] * n
         self._closing = False
         self._threads = [threading.Thread(target=self._lane_main, args=(lane,), name=f"upload-lane{lane}",
@@ -291,16 +319,38 @@ class LaneUploader:
         for thread in self._threads:
             thread.start()
 
+    def _gathered(self, lane):
+        """Enough pieces wait for this lane to take them now."""
+        return len(self._pending[lane]) >= GATHER_PIECES or self._pending_bytes[lane] >= GATHER_BYTES
+
+    def _hurry_lanes(self, step):
+        """(The lock held.) A caller waits for copies: gathering lanes take what they have at once."""
+        self._hurry += step
+        for lane, wake in enumerate(self._wake):
+            if self._phase[lane] == GATHER:
+                wake.notify()
+
     def _lane_main(self, lane):
         driver = self.driver
         driver.activate()
+        wake = self._wake[lane]
         while True:
-            with self._cond:
+            with self._lock:
+                self._phase[lane] = IDLE
                 while not self._pending[lane] and not self._closing:
-                    self._cond.wait()
+                    wake.wait()
+                self._phase[lane] = GATHER            # more pieces are likely on their way: take them together
+                until = time.perf_counter() + GATHER_S
+                while not (self._closing or self._hurry or self._gathered(lane)):
+                    left = until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    wake.wait(left)
+                self._phase[lane] = RUN
                 if not self._pending[lane]:
                     return
                 batch, self._pending[lane] = self._pending[lane], []
+                self._pending_bytes[lane] = 0
             pieces = np.array([piece[:3] for piece in batch], np.int64)
             wall, cpu = time.perf_counter(), time.thread_time()
             status = run_lane(pieces, self._bases[lane], self.slot_bytes, self._events[lane], self._streams[lane],
