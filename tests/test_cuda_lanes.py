@@ -2,8 +2,9 @@
 with a fake driver whose "device" is host memory and whose copies run only when an event recorded behind them is
 waited for or their stream synchronized (as an asynchronous copy may). Uploaded arrays equal the host arrays bit
 for bit (larger than a slot, exactly a slot, many small ones sharing slots, bf16, non-contiguous, stacked rows
-through `out=`); controls: a loop that refills a slot without waiting for its event, a future that completes
-before its copies are queued, a driver call that fails."""
+through `out=`); a future completes only once its copies are queued, a failed driver call raises in the caller, a
+woken lane gathers pieces and a waiting caller cuts that short. Control: a loop that refills a slot without
+waiting for its event is caught."""
 
 import ctypes
 import threading
@@ -170,4 +171,45 @@ def test_a_wrong_sized_out_is_refused():
     up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=FakeDriver())
     with pytest.raises(ValueError, match="not a contiguous array"):
         up.to_device_later(np.zeros(10, np.float32), out=np.zeros(9, np.float32))
+    up.close()
+
+
+def _batches(monkeypatch):
+    """Record the number of pieces in each batch a lane takes into its loop."""
+    sizes, real = [], cuda_lanes.run_lane
+
+    def counted(pieces, *args):
+        sizes.append(pieces.shape[0])
+        return real(pieces, *args)
+    monkeypatch.setattr(cuda_lanes, "run_lane", counted)
+    return sizes
+
+
+def test_a_lane_gathers_pieces_while_they_are_handed_over(monkeypatch):
+    """With no time limit to speak of, a woken lane takes its batch only at GATHER_PIECES, or when a caller waits
+    (finish): so handing over many small arrays does not cost a GIL round trip each (a lane that took its pieces
+    as soon as it was woken would mostly take one at a time)."""
+    sizes = _batches(monkeypatch)
+    monkeypatch.setattr(cuda_lanes, "GATHER_S", 60.0)
+    monkeypatch.setattr(cuda_lanes, "GATHER_PIECES", 4)
+    up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=FakeDriver())
+    hosts = [np.full(10, i, np.float32) for i in range(10)]
+    devs = [up.to_device_later(h)[0] for h in hosts]
+    up.finish()
+    assert sum(sizes) == 10 and all(n >= 4 for n in sizes[:-1]) and len(sizes) <= 3, sizes
+    assert all(np.array_equal(d, h) for d, h in zip(devs, hosts))
+    up.close()
+
+
+def test_a_waiting_caller_cuts_the_gathering_short(monkeypatch):
+    """A lane gathering towards GATHER_PIECES takes what it has as soon as a caller waits for one of them."""
+    sizes = _batches(monkeypatch)
+    monkeypatch.setattr(cuda_lanes, "GATHER_S", 60.0)
+    monkeypatch.setattr(cuda_lanes, "GATHER_PIECES", 1000)
+    up = LaneUploader(lanes=2, slots=2, slot_bytes=4096, driver=FakeDriver())
+    host = np.arange(100, dtype=np.float32)
+    dev, queued = up.to_device_later(host)
+    queued.result(timeout=10)          # would time out if the lane waited for its 1000 pieces or 60 s
+    up.finish()
+    assert np.array_equal(dev, host) and sizes == [1]
     up.close()
