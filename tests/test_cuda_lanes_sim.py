@@ -1,0 +1,105 @@
+"""The upload lanes behind CudaOps in the CUDA simulator: param, params and preload through a LaneUploader whose
+driver copies into the simulator's device arrays (tests/test_cuda_lanes.py's fake driver, its copies run as they
+are queued, so a queued array holds its bytes). 2-D weights arrive as bf16 bits and the rest as float32, stacks by
+rows through `out=` slices; preload returns while the lanes are held, and a weight taken later waits for its own
+copies. Control: an op table that takes a preloaded weight without waiting reads it unfilled."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+SCRIPT = r'''
+import ctypes
+import sys
+import threading
+
+sys.path.insert(0, "tests")
+import ml_dtypes
+import numpy as np
+from numba import cuda
+
+from cuda_kernels.core import from_bf16_bits, to_bf16_bits
+from moss_cli.ops import cuda_upload
+from moss_cli.ops.cuda_lanes import LaneUploader
+from moss_cli.ops.cuda_table import CudaOps
+from test_cuda_lanes import FakeDriver
+
+
+class SimDriver(FakeDriver):
+    """The fake driver over the simulator's device arrays (numpy arrays inside), each copy run as it is queued."""
+
+    def _htod(self, dst, src, n, stream):
+        if self.gate is not None:
+            self.gate.wait()
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    def empty(self, shape, dtype):
+        out = cuda.device_array(shape, dtype)
+        out._ary.view(np.uint8)[...] = 0xA5            # unfilled
+        return out
+
+    @staticmethod
+    def address(array):
+        return array._ary.ctypes.data
+
+
+rng = np.random.default_rng(0)
+stored = {"w2": rng.standard_normal((40, 33)).astype(ml_dtypes.bfloat16),
+          "f2": rng.standard_normal((8, 16)).astype(np.float32),
+          "b1": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
+          "f3": rng.standard_normal((2, 3, 4)).astype(np.float32),
+          "q": rng.standard_normal((70, 33)).astype(ml_dtypes.bfloat16),
+          "k": rng.standard_normal((9, 33)).astype(np.float32)}
+stack = np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16), to_bf16_bits(stored["k"])])
+
+
+def taken(ops_class):
+    gate = threading.Event()
+    up = cuda_upload._SHARED = LaneUploader(lanes=2, slots=2, slot_bytes=1024, driver=SimDriver(gate=gate))
+    ops = ops_class()
+    ops.preload(stored, ["f3", ("q", "w2", "k"), "w2", "b1", "f2"])
+    assert int(up._done.sum()) == 0 and len(ops._landing) == 5, "preload waited for the lanes"
+    threading.Timer(0.2, gate.set).start()
+    got = {"f3": ops.param(stored, "f3").copy_to_host(),
+           "stack": ops.params(stored, ["q", "w2", "k"]).weight.copy_to_host(),
+           "w2": ops.param(stored, "w2").copy_to_host(), "b1": ops.param(stored, "b1").copy_to_host(),
+           "f2": ops.param(stored, "f2").copy_to_host()}
+    up.finish()
+    up.close()
+    return got
+
+
+got = taken(CudaOps)
+assert got["w2"].dtype == np.uint16 and np.array_equal(got["w2"], stored["w2"].view(np.uint16))
+assert np.array_equal(got["f2"], to_bf16_bits(stored["f2"]))
+assert got["b1"].dtype == np.float32 and np.array_equal(got["b1"], from_bf16_bits(stored["b1"].view(np.uint16)))
+assert np.array_equal(got["f3"], stored["f3"]) and np.array_equal(got["stack"], stack)
+print("ok cuda ops through the lanes")
+
+
+class Hasty(CudaOps):
+    def _landed(self, key):
+        self._landing.pop(key, None)
+
+
+got = taken(Hasty)
+assert not np.array_equal(got["f3"], stored["f3"]), "taking a weight before its copies is not caught"
+print("ok hasty taker caught")
+print("all uploads equal")
+'''
+
+
+def test_cuda_ops_upload_through_the_lanes_in_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    print(done.stdout)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "all uploads equal" in done.stdout
