@@ -4,14 +4,10 @@ are queued, so a queued array holds its bytes). 2-D weights arrive as bf16 bits 
 rows through `out=` slices; preload returns while the lanes are held, and a weight taken later waits for its own
 copies. Control: an op table that takes a preloaded weight without waiting reads it unfilled."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from sim_util import simulated_lines
+
 pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
 
 SCRIPT = r'''
@@ -97,9 +93,5 @@ print("all uploads equal")
 
 
 def test_cuda_ops_upload_through_the_lanes_in_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    print(done.stdout)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "all uploads equal" in done.stdout
+    lines = simulated_lines(SCRIPT, timeout=300)
+    assert lines[-3:] == ["ok cuda ops through the lanes", "ok hasty taker caught", "all uploads equal"], lines

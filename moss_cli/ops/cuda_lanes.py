@@ -34,6 +34,8 @@ import time
 import numpy as np
 from numba import njit
 
+from .cuda_upload import Uploader, host_bytes
+
 LANES = min(8, os.cpu_count() or 1)   # lane threads
 SLOTS = 3                              # pinned staging slots a lane
 SLOT_BYTES = 16 << 20                  # one slot; the largest piece
@@ -142,11 +144,6 @@ def _handle(obj):
         return int(handle.value or 0)
 
 
-def _contiguous(array):
-    """C-contiguous, for a numba device array or (a test's stand-in) a numpy one."""
-    return array.is_c_contiguous() if hasattr(array, "is_c_contiguous") else array.flags.c_contiguous
-
-
 def _check(status, call):
     if status != 0:
         raise RuntimeError(f"{call} failed with CUDA driver status {status}")
@@ -198,27 +195,15 @@ class LaneUploader:
         self.reset_stats()
 
     # --- the API (as cuda_upload.Uploader's) ---------------------------------------------------------
-    def to_device(self, host, out=None, wait=False):
-        out, queued = self.to_device_later(host, out)
-        queued.result()
-        if wait:
-            self.finish()
-        return out
+    to_device = Uploader.to_device      # to_device_later, then wait for the future (and with wait, finish)
 
     def to_device_later(self, host, out=None):
         """(device array, future) at once; the future completes when every copy of `host` is queued (stream 0
         work queued after that runs after them). Until then nothing may read the device array, nor `host` change."""
-        host = np.asarray(host)
-        if host.dtype.name == "bfloat16":
-            host = host.view(np.uint16)
-        if not host.flags.c_contiguous:
-            host = np.ascontiguousarray(host)
+        host = host_bytes(host, out)
         self._start()
         if out is None:
             out = self.driver.empty(host.shape, host.dtype)
-        elif out.size * out.dtype.itemsize != host.nbytes or not _contiguous(out):
-            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
-                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
         src = host.reshape(-1).view(np.uint8)
         dst = self.driver.address(out) if host.nbytes else 0
         with self._cond:

@@ -92,16 +92,9 @@ class Uploader:
         """(device array, future) at once: the feeder thread fills the staging buffers from `host` and queues
         the copies after those of every array handed over before; the future completes then (or raises what
         the feeder met). Until it completes, nothing may read the device array, nor may `host` change."""
-        host = np.asarray(host)
-        if host.dtype.name == "bfloat16":
-            host = host.view(np.uint16)
-        if not host.flags.c_contiguous:
-            host = np.ascontiguousarray(host)
+        host = host_bytes(host, out)
         if out is None:
             out = cuda.device_array(host.shape, host.dtype)
-        elif out.size * out.dtype.itemsize != host.nbytes or not out.is_c_contiguous():
-            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
-                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
         self._start()
         src = host.reshape(-1).view(np.uint8)
         dst = out.reshape(out.size).view(np.uint8) if host.nbytes else None
@@ -239,6 +232,22 @@ class Uploader:
             pending.synchronize()
             self.wait_s += time.perf_counter() - start
             self._events[self._current] = None
+
+
+def host_bytes(host, out=None):
+    """`host` as the C-contiguous array whose bytes are sent (bf16 as its uint16 bits), checked against `out`:
+    None, or a C-contiguous device array (or a test's numpy stand-in) of as many bytes."""
+    host = np.asarray(host)
+    if host.dtype.name == "bfloat16":
+        host = host.view(np.uint16)
+    if not host.flags.c_contiguous:
+        host = np.ascontiguousarray(host)
+    if out is not None:
+        contiguous = out.is_c_contiguous() if hasattr(out, "is_c_contiguous") else out.flags.c_contiguous
+        if out.size * out.dtype.itemsize != host.nbytes or not contiguous:
+            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
+                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
+    return host
 
 
 def _copied(stage, src):
