@@ -9,7 +9,8 @@ thread and returns), to the encoder's and the transformer's weights all on the G
 first encode's and the first step's eager passes, which load or compile the kernels and plan the products),
 and to the first denoising step, and how late a thread that sleeps 1 ms at a time woke up until then
 (GilProbe: long waits for the GIL stall the feeder uploader's copy threads; the native lanes take it once a
-batch), with the uploader's stats (the lanes' wall and CPU seconds inside their loops); per picture
+batch), with the uploader's stats (the lanes' wall and CPU seconds inside their loops, and the kernel's account
+of their threads: on a CPU, waiting for one, blocking and preempting switches); per picture
 the encode, denoise and decode seconds and their sum; device memory in use after the load and at the end
 (the pool only grows, so this is the peak of the run), and the shared pool's part of it; the seconds the decodes
 waited for the decoder's weight splits (made on a host thread from its load on). Writes JSON and the
@@ -143,11 +144,35 @@ def _write_profile(profiler, path):
 
 
 def _uploaded(model_device):
-    """The staging uploader's stats so far (bytes, seconds, host_s, wait_s), or None on the CPU."""
+    """The staging uploader's stats so far (bytes, seconds, host_s, wait_s), or None on the CPU; for the lanes
+    also where their threads' time went (lane_sched)."""
     if model_device != "cuda":
         return None
     from moss_cli.ops.cuda_upload import uploader
-    return dict(uploader().stats())
+    up = uploader()
+    stats = dict(up.stats())
+    if hasattr(up, "thread_ids"):
+        stats["lane_sched"] = _sched(up.thread_ids())
+    return stats
+
+
+def _sched(tids):
+    """The kernel's account of these threads so far, summed (Linux): seconds on a CPU and waiting for one (from
+    /proc/self/task/ID/schedstat), and their voluntary (blocked: a fault, a lock, a sleep) and involuntary
+    (preempted) context switches; None where /proc does not say."""
+    total = {"on_cpu_s": 0.0, "runqueue_s": 0.0, "voluntary_switches": 0, "involuntary_switches": 0}
+    try:
+        for tid in tids:
+            on_cpu, waiting = open(f"/proc/self/task/{tid}/schedstat").read().split()[:2]
+            total["on_cpu_s"] += int(on_cpu) / 1e9
+            total["runqueue_s"] += int(waiting) / 1e9
+            for line in open(f"/proc/self/task/{tid}/status"):
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    key = "voluntary_switches" if line.startswith("vol") else "involuntary_switches"
+                    total[key] += int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 def _uploader_kind(model_device):
@@ -168,6 +193,11 @@ def _landed(out, up):
     if "host_cpu_s" in up:
         how = (f"{up['threads']} native lanes, {up['host_s']:.2f} s inside their loops, {up['host_cpu_s']:.2f} s of "
                f"CPU")
+        sched = up.get("lane_sched")
+        if sched:
+            how += (f"; the lane threads in all {sched['on_cpu_s']:.2f} s on a CPU, {sched['runqueue_s']:.2f} s "
+                    f"waiting for one, {sched['voluntary_switches']} blocking and {sched['involuntary_switches']} "
+                    f"preempting switches")
     else:
         how = (f"the feeder: host copies {up['host_s']:.2f} s, all its work {up['feed_s']:.2f} s; {up['threads']} "
                f"copy threads inside their copies {up['piece_s']:.2f} s, {up['piece_cpu_s']:.2f} s of CPU")

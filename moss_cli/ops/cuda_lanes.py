@@ -262,6 +262,10 @@ class LaneUploader:
         self.began = self.landed_at = None
         self._copies_before = int(self._done.sum()) if self._threads is not None else 0
 
+    def thread_ids(self):
+        """The lane threads' kernel thread ids (for /proc/self/task/ID), [] before the first array."""
+        return [thread.native_id for thread in self._threads or []]
+
     def close(self):
         """Finish, then stop the lanes (started again on next use)."""
         if self._threads is None:
