@@ -228,16 +228,17 @@ class LaneUploader:
         """Block until every array handed over is on the device; the stats so far."""
         if self._threads is None:
             return self.stats()
+        start = time.perf_counter()
         with self._cond:
             self._hurry_lanes(1)
             try:
-                while not (self._done >= self._handed).all() and self._error is None:
+                # every piece queued, and every lane past its own synchronize (landed_at set once they all are)
+                while not ((self._done >= self._handed).all() and all(self._idle)) and self._error is None:
                     self._cond.wait(0.01)
             finally:
                 self._hurry -= 1
             if self._error is not None:
                 raise self._error
-        start = time.perf_counter()
         for stream in self._streams:
             self.driver.stream_sync(stream)
         self.wait_s += time.perf_counter() - start
@@ -249,7 +250,7 @@ class LaneUploader:
         """bytes and arrays sent, device copies queued, seconds from the first array to the last `finish`,
         bytes per second; host_s and host_cpu_s: the lanes' wall and CPU seconds inside their loops (copies
         into the slots, driver calls, waits for a slot), summed over the lanes; wait_s: finish's waits for the
-        device; landed_at: time.perf_counter() when every lane had last run out of work and found its copies done."""
+        lanes and the device; landed_at: time.perf_counter() when every lane had last run out of work and found its copies done."""
         copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
