@@ -190,7 +190,7 @@ def test_a_lane_gathers_pieces_while_they_are_handed_over(monkeypatch):
     (finish): so handing over many small arrays does not cost a GIL round trip each (a lane that took its pieces
     as soon as it was woken would mostly take one at a time)."""
     sizes = _batches(monkeypatch)
-    monkeypatch.setattr(cuda_lanes, "GATHER_S", 60.0)
+    monkeypatch.setattr(cuda_lanes, "GATHER_S", 3600.0)
     monkeypatch.setattr(cuda_lanes, "GATHER_PIECES", 4)
     up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=FakeDriver())
     hosts = [np.full(10, i, np.float32) for i in range(10)]
@@ -204,12 +204,12 @@ def test_a_lane_gathers_pieces_while_they_are_handed_over(monkeypatch):
 def test_a_waiting_caller_cuts_the_gathering_short(monkeypatch):
     """A lane gathering towards GATHER_PIECES takes what it has as soon as a caller waits for one of them."""
     sizes = _batches(monkeypatch)
-    monkeypatch.setattr(cuda_lanes, "GATHER_S", 60.0)
+    monkeypatch.setattr(cuda_lanes, "GATHER_S", 3600.0)
     monkeypatch.setattr(cuda_lanes, "GATHER_PIECES", 1000)
     up = LaneUploader(lanes=2, slots=2, slot_bytes=4096, driver=FakeDriver())
     host = np.arange(100, dtype=np.float32)
     dev, queued = up.to_device_later(host)
-    queued.result(timeout=10)          # would time out if the lane waited for its 1000 pieces or 60 s
+    queued.result(timeout=120)         # a liveness bound: without the cut the lane would wait an hour
     up.finish()
     assert np.array_equal(dev, host) and sizes == [1]
     up.close()
