@@ -1,4 +1,7 @@
-"""Host weights to the GPU through pinned staging buffers on a dedicated stream.
+"""Host weights to the GPU through pinned staging buffers on a dedicated stream: the Python feeder.
+
+On a GPU the process uploader (`uploader()`) is cuda_lanes.LaneUploader, which does the same work in compiled
+loops without the GIL and keeps this API; this feeder serves the CUDA simulator and A/B runs (LANES = False).
 
 A memory-mapped tensor is not pinned, so the driver would copy it through its own small staging buffer,
 synchronously. Here every array goes through a few fixed pinned buffers (STAGING_BYTES each, BUFFERS of
