@@ -16,14 +16,13 @@ import sys
 import threading
 
 sys.path.insert(0, "tests")
-import ml_dtypes
 import numpy as np
 from numba import cuda
 
-from cuda_kernels.core import from_bf16_bits, to_bf16_bits
 from moss_cli.ops import cuda_upload
 from moss_cli.ops.cuda_lanes import LaneUploader
 from moss_cli.ops.cuda_table import CudaOps
+from sim_util import cuda_ops_expected, cuda_ops_weights
 from test_cuda_lanes import FakeDriver
 
 
@@ -46,14 +45,8 @@ class SimDriver(FakeDriver):
         return array._ary.ctypes.data
 
 
-rng = np.random.default_rng(0)
-stored = {"w2": rng.standard_normal((40, 33)).astype(ml_dtypes.bfloat16),
-          "f2": rng.standard_normal((8, 16)).astype(np.float32),
-          "b1": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
-          "f3": rng.standard_normal((2, 3, 4)).astype(np.float32),
-          "q": rng.standard_normal((70, 33)).astype(ml_dtypes.bfloat16),
-          "k": rng.standard_normal((9, 33)).astype(np.float32)}
-stack = np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16), to_bf16_bits(stored["k"])])
+stored = cuda_ops_weights(np.random.default_rng(0))
+expected = cuda_ops_expected(stored)
 
 
 def taken(ops_class):
@@ -73,10 +66,8 @@ def taken(ops_class):
 
 
 got = taken(CudaOps)
-assert got["w2"].dtype == np.uint16 and np.array_equal(got["w2"], stored["w2"].view(np.uint16))
-assert np.array_equal(got["f2"], to_bf16_bits(stored["f2"]))
-assert got["b1"].dtype == np.float32 and np.array_equal(got["b1"], from_bf16_bits(stored["b1"].view(np.uint16)))
-assert np.array_equal(got["f3"], stored["f3"]) and np.array_equal(got["stack"], stack)
+for name, want in expected.items():
+    assert got[name].dtype == want.dtype and np.array_equal(got[name], want), name
 print("ok cuda ops through the lanes")
 
 

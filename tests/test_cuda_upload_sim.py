@@ -136,25 +136,19 @@ else:
     raise AssertionError("a wrong-sized out was accepted")
 
 # CudaOps through the shared uploader: 2-D as bf16 bits, the rest float32, stacks by rows
+import sys
+sys.path.insert(0, "tests")
 from moss_cli.ops.cuda_table import CudaOps
-from cuda_kernels.core import from_bf16_bits, to_bf16_bits
+from sim_util import cuda_ops_expected, cuda_ops_weights
 cuda_upload._SHARED = Uploader(staging_bytes=4096, buffers=2, threads=2)
 ops = CudaOps()
-stored = {"w2": rng.standard_normal((40, 33)).astype(ml_dtypes.bfloat16),
-          "f2": rng.standard_normal((8, 16)).astype(np.float32),
-          "b1": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
-          "f3": rng.standard_normal((2, 3, 4)).astype(np.float32),
-          "q": rng.standard_normal((70, 33)).astype(ml_dtypes.bfloat16),
-          "k": rng.standard_normal((9, 33)).astype(np.float32)}
-w2 = ops.param(stored, "w2")
-assert w2.dtype == np.uint16 and np.array_equal(w2.copy_to_host(), stored["w2"].view(np.uint16))
-f2 = ops.param(stored, "f2")
-assert np.array_equal(f2.copy_to_host(), to_bf16_bits(stored["f2"]))
-b1 = ops.param(stored, "b1")
-assert b1.dtype == np.float32 and np.array_equal(b1.copy_to_host(), from_bf16_bits(stored["b1"].view(np.uint16)))
-assert np.array_equal(ops.param(stored, "f3").copy_to_host(), stored["f3"])
+stored = cuda_ops_weights(rng)
+expected = cuda_ops_expected(stored)
+for name in ("w2", "f2", "b1", "f3"):
+    got = ops.param(stored, name).copy_to_host()
+    assert got.dtype == expected[name].dtype and np.array_equal(got, expected[name]), name
 st = ops.params(stored, ["q", "w2", "k"])
-want = np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16), to_bf16_bits(stored["k"])])
+want = expected["stack"]
 assert st.sizes == (70, 40, 9) and np.array_equal(st.weight.copy_to_host(), want)
 assert cuda_upload._SHARED.stats()["arrays"] == 7, "CudaOps did not upload through the shared uploader"
 print("ok cuda ops")
