@@ -116,7 +116,7 @@ def main():
     args = ap.parse_args()
     if args.device == "cuda":      # the uploader's settings for an A/B run
         from moss_cli.ops import cuda_lanes, cuda_upload
-        cuda_upload.LANES = args.uploader == "lanes"
+        cuda_upload.USE_LANES = args.uploader == "lanes"
         if args.copy_threads:
             cuda_upload.THREADS = cuda_lanes.LANES = args.copy_threads
     if args.host_profile:
@@ -180,7 +180,7 @@ def _uploader_kind(model_device):
     if model_device != "cuda":
         return None
     from moss_cli.ops import cuda_upload
-    return "lanes" if cuda_upload.LANES else f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
+    return "lanes" if cuda_upload.USE_LANES else f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
 
 
 def _landed(out, up):

@@ -1,7 +1,7 @@
 """Host weights to the GPU through pinned staging buffers on a dedicated stream: the Python feeder.
 
 On a GPU the process uploader (`uploader()`) is cuda_lanes.LaneUploader, which does the same work in compiled
-loops without the GIL and keeps this API; this feeder serves the CUDA simulator and A/B runs (LANES = False).
+loops without the GIL and keeps this API; this feeder serves the CUDA simulator and A/B runs (USE_LANES = False).
 
 A memory-mapped tensor is not pinned, so the driver would copy it through its own small staging buffer,
 synchronously. Here every array goes through a few fixed pinned buffers (STAGING_BYTES each, BUFFERS of
@@ -266,15 +266,15 @@ def _event():
 
 
 _SHARED = None
-LANES = not SIMULATED       # the process-wide uploader: native lanes (cuda_lanes) on a GPU, this feeder otherwise
+USE_LANES = not SIMULATED   # the process-wide uploader: native lanes (cuda_lanes) on a GPU, this feeder otherwise
 
 
 def uploader():
     """The process-wide uploader (CudaOps.param and params send weights through it): a cuda_lanes.LaneUploader
-    where LANES (a GPU), else an Uploader (the simulator; a GPU run that sets LANES = False, for A/B runs)."""
+    where USE_LANES (a GPU), else an Uploader (the simulator; a GPU run that sets USE_LANES = False, for A/B runs)."""
     global _SHARED
     if _SHARED is None:
-        if LANES:
+        if USE_LANES:
             from .cuda_lanes import LaneUploader
             _SHARED = LaneUploader()
         else:

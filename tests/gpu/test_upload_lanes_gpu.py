@@ -54,4 +54,4 @@ def test_lanes_upload_bit_for_bit_and_order_before_stream_zero():
 
 
 def test_the_process_uploader_on_a_gpu_is_the_lanes():
-    assert cuda_upload.LANES and isinstance(cuda_upload.uploader(), LaneUploader)
+    assert cuda_upload.USE_LANES and isinstance(cuda_upload.uploader(), LaneUploader)
