@@ -250,7 +250,8 @@ class LaneUploader:
         """bytes and arrays sent, device copies queued, seconds from the first array to the last `finish`,
         bytes per second; host_s and host_cpu_s: the lanes' wall and CPU seconds inside their loops (copies
         into the slots, driver calls, waits for a slot), summed over the lanes; wait_s: finish's waits for the
-        lanes and the device; landed_at: time.perf_counter() when every lane had last run out of work and found its copies done."""
+        lanes and the device; landed_at: time.perf_counter() when every lane had last run out of work and found
+        its copies done."""
         copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
