@@ -55,3 +55,38 @@ def test_lanes_upload_bit_for_bit_and_order_before_stream_zero():
 
 def test_the_process_uploader_on_a_gpu_is_the_lanes():
     assert cuda_upload.USE_LANES and isinstance(cuda_upload.uploader(), LaneUploader)
+
+
+def test_mapped_arrays_copied_straight_from_their_registered_map(tmp_path):
+    """A file's map registered with the real driver (read-only, in chunks): its views land bit for bit, the
+    copies read the map itself, and finish hands every chunk back."""
+    import mmap
+    import time
+    from moss_cli.ops import cuda_lanes
+    rng = np.random.default_rng(2)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(rng.integers(0, 256, 6 << 20, dtype=np.uint8).tobytes())
+    with open(path, "rb") as f:
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    whole = np.frombuffer(view, np.uint8)
+    hosts = [whole[8:(2 << 20) + 8].view(np.uint16), whole[(2 << 20) + 100:(5 << 20) + 3], whole[5 << 20:]]
+    old = cuda_lanes.REG_BYTES
+    cuda_lanes.REG_BYTES = 1 << 20
+    try:
+        up = LaneUploader(lanes=2, slots=2, slot_bytes=1 << 18, direct=True)
+        up._start()
+        with up._lock:
+            up._map_chunk(hosts[0])
+        deadline = time.perf_counter() + 60
+        while up._to_register or up.registered_bytes + (up.register_failures << 20) < len(view):
+            assert time.perf_counter() < deadline
+            time.sleep(0.001)
+        devs = [up.to_device_later(h)[0] for h in hosts]
+        stats = up.finish()
+        up.close()
+    finally:
+        cuda_lanes.REG_BYTES = old
+    assert stats["register_failures"] == 0, stats
+    assert stats["direct_bytes"] == sum(h.nbytes for h in hosts), stats
+    for h, d in zip(hosts, devs):
+        assert np.array_equal(d.copy_to_host(), h)
