@@ -1,7 +1,8 @@
 """The native upload lanes with the real driver (moss_cli/ops/cuda_lanes.py): arrays of every kind uploaded bit for
 bit through lanes of small slots (many slot turns, slots shared by small arrays, stacked rows through `out=`),
 a stream 0 kernel reading an array as soon as its future completes (the lanes' streams are blocking streams),
-and the process-wide uploader on a GPU being the lanes."""
+the process-wide uploader on a GPU being the lanes, and (the DIRECT option) a mapped file's views copied straight
+from its registered map."""
 
 import ml_dtypes
 import numpy as np
