@@ -36,7 +36,7 @@ class FakeDriver:
     def __init__(self, careless=False, fail_at=None, gate=None, register_status=0, register_gate=None):
         self.queues, self.ran, self.marks = {}, {}, {}
         self.registered, self.stages = {}, []       # address -> bytes; (address, bytes) of each staging buffer
-        self.direct_reads, self.stray_reads = [], []
+        self.direct_reads, self.stray_reads, self.register_order = [], [], []
         self.register_status, self.register_gate = register_status, register_gate
         self.lock = threading.RLock()
         self.careless, self.fail_at, self.gate = careless, fail_at, gate
@@ -92,6 +92,7 @@ class FakeDriver:
         if self.register_gate is not None:
             self.register_gate.wait()
         with self.lock:
+            self.register_order.append(address)
             if self.register_status == 0:
                 self.registered[address] = nbytes
             return self.register_status
@@ -310,3 +311,22 @@ def test_control_chunks_left_marked_registered_after_finish_are_caught(tmp_path,
     driver = FakeDriver()
     upload_mapped(driver, tmp_path, monkeypatch)
     assert driver.stray_reads                         # copies from chunks already handed back
+
+
+def test_the_chunk_a_handed_piece_reads_is_registered_first(tmp_path, monkeypatch):
+    """A map's chunks are registered in file order, but those that pieces handed over read come first."""
+    monkeypatch.setattr(cuda_lanes, "REG_BYTES", 3 * PAGE)
+    monkeypatch.setattr(cuda_lanes, "REG_THREADS", 1)
+    view, hosts = mapped_views(tmp_path, np.random.default_rng(1))
+    driver = FakeDriver()
+    up = LaneUploader(lanes=1, slots=2, slot_bytes=2 * PAGE, driver=driver, direct=True)
+    dev, _ = up.to_device_later(hosts[3])            # pages 20-39: chunks 6 to 13 of the 14
+    deadline = cuda_lanes.time.perf_counter() + 60
+    while len(driver.register_order) < 8:            # (finish would drop the chunks not registered yet)
+        assert cuda_lanes.time.perf_counter() < deadline
+        cuda_lanes.time.sleep(0.001)
+    up.finish()
+    up.close()
+    base = np.frombuffer(view, np.uint8).ctypes.data
+    first = [(a - base) // (3 * PAGE) for a in driver.register_order[:8]]
+    assert first == list(range(6, 14)) and np.array_equal(dev, hosts[3]), first

@@ -33,6 +33,7 @@ The driver's calls go through `Driver`; a test gives a fake one whose copies run
 synchronize forces them, so a slot refilled before its copies ran shows.
 """
 
+import collections
 import ctypes
 import mmap
 import os
@@ -363,8 +364,8 @@ class LaneUploader:
         self._direct = np.zeros(n, np.int64)            # bytes each lane copied straight from a registered map
         self._maps = {}                                 # id(map) -> (map, address, bytes, first chunk)
         self._next_chunk = 0
-        self._to_register = []                          # (chunk, address, bytes), in the order first seen
-        self._urgent = []                               # those of them a piece handed over reads, in that order
+        self._to_register = {}                          # chunk -> (address, bytes), in the order first seen
+        self._urgent = collections.deque()              # chunks a piece handed over reads, in that order
         self._registered = []                           # (chunk, address) of chunks registered and not retired
         self._registrars = []
         self._unregistering = None
@@ -390,8 +391,8 @@ class LaneUploader:
                 return -1, 0
             known = self._maps[id(root)] = (root, address, size, self._next_chunk)
             for k in range(count):
-                self._to_register.append((self._next_chunk + k, address + k * REG_BYTES,
-                                          min(REG_BYTES, size - k * REG_BYTES)))
+                self._to_register[self._next_chunk + k] = (address + k * REG_BYTES,
+                                                           min(REG_BYTES, size - k * REG_BYTES))
             self._next_chunk += count
             if not self._registrars:
                 self._registrars = [threading.Thread(target=self._registrar_main, name=f"upload-register{i}",
@@ -407,10 +408,8 @@ class LaneUploader:
 
     def _want(self, chunk):
         """(The lock held.) A piece handed over reads `chunk`: register it before the chunks no piece reads yet."""
-        for i, entry in enumerate(self._to_register):
-            if entry[0] == chunk:
-                self._urgent.append(self._to_register.pop(i))
-                return
+        if chunk in self._to_register and (not self._urgent or self._urgent[-1] != chunk):
+            self._urgent.append(chunk)
 
     def _registrar_main(self):
         """Register queued chunks (the lanes copy from one once it is REGISTERED) until closing."""
@@ -418,11 +417,14 @@ class LaneUploader:
         driver.activate()
         while True:
             with self._cond:
-                while not (self._urgent or self._to_register) and not self._closing:
+                while not self._to_register and not self._closing:
                     self._cond.wait()
                 if self._closing:
                     return
-                chunk, address, nbytes = (self._urgent or self._to_register).pop(0)
+                while self._urgent and self._urgent[0] not in self._to_register:
+                    self._urgent.popleft()      # registered already
+                chunk = self._urgent.popleft() if self._urgent else next(iter(self._to_register))
+                address, nbytes = self._to_register.pop(chunk)
             start = time.perf_counter()
             status = driver.register(address, nbytes)
             took = time.perf_counter() - start
