@@ -11,7 +11,8 @@
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
-# cache, picture_cold.json), tables (BENCHMARKS.md's
+# cache, picture_cold.json; PICTURE_AB="lanes direct" then processes with each uploader in turn, PICTURE_AB_ROUNDS
+# rounds (default 2), picture_ab-UPLOADER-ROUND.json), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -95,6 +96,13 @@ for step in "$@"; do
               $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_profiled.json" --sizes 512 --steps 2 \
                 --host-profile "$OUT/picture_profile.txt" 2>&1 | tee -a "$OUT/picture.txt"
             fi
+            for round in $(seq 1 "${PICTURE_AB_ROUNDS:-2}"); do     # uploaders in turn: an A/B of the start-up
+              for how in ${PICTURE_AB:-}; do
+                echo "== uploader $how, round $round" | tee -a "$OUT/picture.txt"
+                $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_ab-$how-$round.json" --sizes 512 \
+                  --steps 4 --uploader "$how" 2>&1 | tee -a "$OUT/picture.txt"
+              done
+            done
             if [ -n "${PICTURE_COLD:-}" ]; then        # then one on a cold page cache: the folder's files evicted first
               $limit python3 scripts/gpu_load.py "$model" --evict 2>&1 | tee -a "$OUT/picture.txt"
               $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture_cold.json" --sizes 512 --steps 4 2>&1 \
