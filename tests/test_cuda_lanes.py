@@ -8,9 +8,9 @@ waiting for its event is caught.
 
 Direct copies (views of a memory-mapped file, registered in chunks): every copy reads either a staging slot
 or one chunk registered at the time, the mapped arrays come through bit for bit (through the slots while
-registration lags or fails), and after `finish` nothing is registered and the map's later arrays take the
-slots. Control: a `finish` that leaves its chunks marked registered while handing them back is caught by
-copies from memory no longer registered."""
+registration lags or fails), after `finish` the map's later arrays take the slots, and after `close` nothing
+is registered. Controls: a `finish` that leaves its chunks open to direct copies is caught by the copies
+after it; pieces cut at other boundaries than the chunks registered are caught reading across two."""
 
 import ctypes
 import mmap
@@ -259,7 +259,7 @@ def mapped_views(tmp_path, rng):
     return view, [whole[a:a + n].view(np.uint16) if n % 2 == 0 else whole[a:a + n] for a, n in spans]
 
 
-def upload_mapped(driver, tmp_path, monkeypatch, settle=True, before_close=None):
+def upload_mapped(driver, tmp_path, monkeypatch, settle=True, before_close=None, cut_bytes=None):
     """Upload the views with chunks of 3 pages and slots of 2; then finish; then the same views again."""
     monkeypatch.setattr(cuda_lanes, "REG_BYTES", 3 * PAGE)
     view, hosts = mapped_views(tmp_path, np.random.default_rng(1))
@@ -272,6 +272,8 @@ def upload_mapped(driver, tmp_path, monkeypatch, settle=True, before_close=None)
         while up._to_register or len(driver.registered) < -(-len(view) // (3 * PAGE)):
             assert cuda_lanes.time.perf_counter() < deadline and driver.register_status == 0
             cuda_lanes.time.sleep(0.001)
+    if cut_bytes is not None:       # a planted bug: pieces cut at other boundaries than the chunks registered
+        monkeypatch.setattr(cuda_lanes, "REG_BYTES", cut_bytes)
     first = [up.to_device_later(h)[0] for h in hosts]
     stats = dict(up.finish())
     again = [up.to_device_later(h)[0] for h in hosts]
@@ -306,11 +308,16 @@ def test_a_failed_registration_leaves_the_slots(tmp_path, monkeypatch):
     assert same and not driver.stray_reads and stats["direct_bytes"] == 0, stats
 
 
-def test_control_chunks_left_marked_registered_after_finish_are_caught(tmp_path, monkeypatch):
+def test_control_chunks_left_open_after_finish_are_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_lanes, "RETIRED", cuda_lanes.REGISTERED)
+    _, stats, after, nbytes = upload_mapped(FakeDriver(), tmp_path, monkeypatch)
+    assert after["direct_bytes"] > stats["direct_bytes"] == nbytes     # direct copies after finish
+
+
+def test_control_pieces_cut_across_registered_chunks_are_caught(tmp_path, monkeypatch):
     driver = FakeDriver()
-    upload_mapped(driver, tmp_path, monkeypatch)
-    assert driver.stray_reads                         # copies from chunks already handed back
+    upload_mapped(driver, tmp_path, monkeypatch, cut_bytes=4 * PAGE)
+    assert driver.stray_reads                         # a direct copy reading two registered ranges as one
 
 
 def test_the_chunk_a_handed_piece_reads_is_registered_first(tmp_path, monkeypatch):

@@ -22,8 +22,9 @@ With `direct` (DIRECT), an array that is a view of a memory-mapped file (a safet
 device straight from the map, without the slot: each map is registered with the driver (cuMemHostRegister,
 read-only) in chunks of REG_BYTES by REG_THREADS threads as soon as the uploader first sees it, and a lane
 copies a piece directly when its chunk is registered by the time the lane reaches it, through its slots
-otherwise. `finish` hands the registered chunks back (cuMemHostUnregister) on a thread of their own; their
-maps take the slots from then on.
+otherwise. After `finish` no copy reads a registered chunk (their maps' later arrays take the slots), but the
+chunks are handed back (cuMemHostUnregister) only by `close`: `finish` is called while a graph is captured,
+and a call that may synchronize the device must not run then.
 
     up = LaneUploader()                  # the same API as cuda_upload.Uploader
     dev, queued = up.to_device_later(host)     # at once; queued.result() once its copies are queued
@@ -332,8 +333,11 @@ class LaneUploader:
             self._cond.notify_all()          # the registrars
         for thread in self._threads + self._registrars:
             thread.join()
-        if self._unregistering is not None:
-            self._unregistering.join()
+        start = time.perf_counter()
+        for address in self._retired:            # (no copy reads them since finish)
+            self.driver.unregister(address)
+        self.unregister_s += time.perf_counter() - start
+        self._retired = []
         self._threads = None
 
     # --- the lanes ---------------------------------------------------------------------------------------
@@ -366,9 +370,9 @@ class LaneUploader:
         self._next_chunk = 0
         self._to_register = {}                          # chunk -> (address, bytes), in the order first seen
         self._urgent = collections.deque()              # chunks a piece handed over reads, in that order
-        self._registered = []                           # (chunk, address) of chunks registered and not retired
+        self._registered = []                           # addresses of the chunks registered and not retired
+        self._retired = []                              # addresses of those retired, for close to hand back
         self._registrars = []
-        self._unregistering = None
         self._threads = [threading.Thread(target=self._lane_main, args=(lane,), name=f"upload-lane{lane}",
                                           daemon=True) for lane in range(n)]
         for thread in self._threads:
@@ -433,36 +437,22 @@ class LaneUploader:
                 if status != 0:
                     self.register_failures += 1       # its pieces go through the slots
                     continue
+                self.registered_bytes += nbytes
                 if self._chunks[chunk] == UNREGISTERED:
-                    self.registered_bytes += nbytes
-                    self._registered.append((chunk, address))
+                    self._registered.append(address)
                     self._chunks[chunk] = REGISTERED
-                    continue
-            driver.unregister(address)               # retired while it was being registered
+                else:
+                    self._retired.append(address)    # retired while it was being registered
 
     def _retire(self):
-        """(Every copy done.) No chunk is registered or read from now on: the ones registered are handed back on a
-        thread of their own, those still queued dropped; their maps' later arrays go through the slots."""
+        """(Every copy done.) No copy reads a registered chunk from now on, and none is registered any more: their
+        maps' later arrays go through the slots; close hands the registered ones back."""
         with self._cond:
             self._chunks[:self._next_chunk] = RETIRED
             self._to_register.clear()
             self._urgent.clear()
-            handed, self._registered = self._registered, []
-        if not handed:
-            return
-        if self._unregistering is not None:
-            self._unregistering.join()
-
-        def unregister():
-            self.driver.activate()
-            start = time.perf_counter()
-            for _, address in handed:
-                self.driver.unregister(address)
-            with self._cond:
-                self.unregister_s += time.perf_counter() - start
-
-        self._unregistering = threading.Thread(target=unregister, name="upload-unregister", daemon=True)
-        self._unregistering.start()
+            self._retired += self._registered
+            self._registered = []
 
     def _gathered(self, lane):
         """Enough pieces wait for this lane to take them now."""
@@ -502,7 +492,7 @@ class LaneUploader:
                               self._states[lane], self._done, lane, driver.memcpy, driver.htod, driver.record,
                               driver.wait, self._chunks, self._direct)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-            del batch                         # the host arrays' bytes are in the slots now
+            del batch                         # the bytes are in the slots now, or read from maps self._maps keeps
             with self._cond:
                 self.host_s += wall
                 self.host_cpu_s += cpu
