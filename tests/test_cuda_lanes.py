@@ -268,10 +268,8 @@ def upload_mapped(driver, tmp_path, monkeypatch, settle=True, before_close=None,
     if settle:          # the map seen and its chunks registered before the lanes reach its pieces
         with up._lock:
             up._map_chunk(hosts[0])
-        deadline = cuda_lanes.time.perf_counter() + 60
-        while up._to_register or len(driver.registered) < -(-len(view) // (3 * PAGE)):
-            assert cuda_lanes.time.perf_counter() < deadline and driver.register_status == 0
-            cuda_lanes.time.sleep(0.001)
+        up.wait_registered()
+        assert len(driver.registered) == -(-len(view) // (3 * PAGE))
     if cut_bytes is not None:       # a planted bug: pieces cut at other boundaries than the chunks registered
         monkeypatch.setattr(cuda_lanes, "REG_BYTES", cut_bytes)
     first = [up.to_device_later(h)[0] for h in hosts]
@@ -328,10 +326,7 @@ def test_the_chunk_a_handed_piece_reads_is_registered_first(tmp_path, monkeypatc
     driver = FakeDriver()
     up = LaneUploader(lanes=1, slots=2, slot_bytes=2 * PAGE, driver=driver, direct=True)
     dev, _ = up.to_device_later(hosts[3])            # pages 20-39: chunks 6 to 13 of the 14
-    deadline = cuda_lanes.time.perf_counter() + 60
-    while len(driver.register_order) < 8:            # (finish would drop the chunks not registered yet)
-        assert cuda_lanes.time.perf_counter() < deadline
-        cuda_lanes.time.sleep(0.001)
+    up.wait_registered()                             # (finish would drop the chunks not registered yet)
     up.finish()
     up.close()
     base = np.frombuffer(view, np.uint8).ctypes.data

@@ -373,6 +373,7 @@ class LaneUploader:
         self._registered = []                           # addresses of the chunks registered and not retired
         self._retired = []                              # addresses of those retired, for close to hand back
         self._registrars = []
+        self._registering = 0                           # registrations in flight
         self._threads = [threading.Thread(target=self._lane_main, args=(lane,), name=f"upload-lane{lane}",
                                           daemon=True) for lane in range(n)]
         for thread in self._threads:
@@ -410,6 +411,12 @@ class LaneUploader:
             return -1, 0
         return first, offset
 
+    def wait_registered(self):
+        """Block until no chunk waits for its registration or is being registered (benchmarks, tests)."""
+        with self._cond:
+            while (self._to_register or self._registering) and not self._closing:
+                self._cond.wait()
+
     def _want(self, chunk):
         """(The lock held.) A piece handed over reads `chunk`: register it before the chunks no piece reads yet."""
         if chunk in self._to_register and (not self._urgent or self._urgent[-1] != chunk):
@@ -429,10 +436,13 @@ class LaneUploader:
                     self._urgent.popleft()      # registered already
                 chunk = self._urgent.popleft() if self._urgent else next(iter(self._to_register))
                 address, nbytes = self._to_register.pop(chunk)
+                self._registering += 1
             start = time.perf_counter()
             status = driver.register(address, nbytes)
             took = time.perf_counter() - start
             with self._cond:
+                self._registering -= 1
+                self._cond.notify_all()
                 self.register_s += took
                 if status != 0:
                     self.register_failures += 1       # its pieces go through the slots

@@ -62,7 +62,6 @@ def test_mapped_arrays_copied_straight_from_their_registered_map(tmp_path):
     """A file's map registered with the real driver (read-only, in chunks): its views land bit for bit, the
     copies read the map itself, and finish hands every chunk back."""
     import mmap
-    import time
     from moss_cli.ops import cuda_lanes
     rng = np.random.default_rng(2)
     path = tmp_path / "weights.bin"
@@ -78,10 +77,7 @@ def test_mapped_arrays_copied_straight_from_their_registered_map(tmp_path):
         up._start()
         with up._lock:
             up._map_chunk(hosts[0])
-        deadline = time.perf_counter() + 60
-        while up._to_register or up.registered_bytes + (up.register_failures << 20) < len(view):
-            assert time.perf_counter() < deadline
-            time.sleep(0.001)
+        up.wait_registered()
         devs = [up.to_device_later(h)[0] for h in hosts]
         stats = up.finish()
         up.close()
