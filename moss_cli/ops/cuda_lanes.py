@@ -334,10 +334,10 @@ class LaneUploader:
         for thread in self._threads + self._registrars:
             thread.join()
         start = time.perf_counter()
-        for address in self._retired:            # (no copy reads them since finish)
+        for address in self._registered:         # (no copy reads them since finish, which close called)
             self.driver.unregister(address)
         self.unregister_s += time.perf_counter() - start
-        self._retired = []
+        self._registered = []
         self._threads = None
 
     # --- the lanes ---------------------------------------------------------------------------------------
@@ -370,8 +370,7 @@ class LaneUploader:
         self._next_chunk = 0
         self._to_register = {}                          # chunk -> (address, bytes), in the order first seen
         self._urgent = collections.deque()              # chunks a piece handed over reads, in that order
-        self._registered = []                           # addresses of the chunks registered and not retired
-        self._retired = []                              # addresses of those retired, for close to hand back
+        self._registered = []                           # addresses of the chunks registered, for close to hand back
         self._registrars = []
         self._registering = 0                           # registrations in flight
         self._threads = [threading.Thread(target=self._lane_main, args=(lane,), name=f"upload-lane{lane}",
@@ -448,11 +447,9 @@ class LaneUploader:
                     self.register_failures += 1       # its pieces go through the slots
                     continue
                 self.registered_bytes += nbytes
-                if self._chunks[chunk] == UNREGISTERED:
-                    self._registered.append(address)
+                self._registered.append(address)
+                if self._chunks[chunk] == UNREGISTERED:       # (not retired while it was being registered)
                     self._chunks[chunk] = REGISTERED
-                else:
-                    self._retired.append(address)    # retired while it was being registered
 
     def _retire(self):
         """(Every copy done.) No copy reads a registered chunk from now on, and none is registered any more: their
@@ -461,8 +458,6 @@ class LaneUploader:
             self._chunks[:self._next_chunk] = RETIRED
             self._to_register.clear()
             self._urgent.clear()
-            self._retired += self._registered
-            self._registered = []
 
     def _gathered(self, lane):
         """Enough pieces wait for this lane to take them now."""
