@@ -238,6 +238,7 @@ def run_child(model, mode, staging_mb, buffers, threads, timeout):
 
 
 def describe(r):
+    from moss_cli.ops.cuda_lanes import LaneUploader
     if "error" in r:
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
@@ -245,15 +246,8 @@ def describe(r):
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
             f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s (imports {m['imports_s']:.2f} s, context "
             f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s, "
-            f"waits {u['wait_s']:.2f} s, {u['copies']} copies{_direct(u)})")
+            f"waits {u['wait_s']:.2f} s, {u['copies']} copies{LaneUploader.describe_direct(u)})")
 
-
-def _direct(u):
-    """The direct copies' share and the registration's cost, where maps were registered."""
-    if not u.get("registered_bytes") and not u.get("register_failures"):
-        return ""
-    return (f"; {u['direct_bytes'] / 1e9:.2f} GB straight from the maps, {u['registered_bytes'] / 1e9:.2f} GB "
-            f"registered in {u['register_s']:.2f} s summed, {u['register_failures']} failed")
 
 
 def main(argv=None):

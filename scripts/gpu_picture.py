@@ -196,13 +196,10 @@ def _landed(out, up):
     out["start_to_loaded_s"] = up["landed_at"] - START
     out["uploader"] = {k: v for k, v in up.items() if k != "landed_at"}
     if "host_cpu_s" in up:
+        from moss_cli.ops.cuda_lanes import LaneUploader
         how = (f"{up['threads']} native lanes, {up['host_s']:.2f} s inside their loops, {up['host_cpu_s']:.2f} s of "
                f"CPU")
-        if up.get("registered_bytes"):
-            how += (f"; {up['direct_bytes'] / 1e9:.2f} GB straight from the maps, {up['registered_bytes'] / 1e9:.2f} "
-                    f"GB registered in {up['register_s']:.2f} s summed over the registering threads")
-        if up.get("register_failures"):
-            how += f"; {up['register_failures']} registrations failed"
+        how += LaneUploader.describe_direct(up)
         sched = up.get("lane_sched")
         if sched:
             how += (f"; the lane threads in all {sched['on_cpu_s']:.2f} s on a CPU, {sched['runqueue_s']:.2f} s "

@@ -80,7 +80,7 @@ def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcp
     for i in range(pieces.shape[0]):
         nbytes = pieces[i, 2]
         chunk = pieces[i, 3]
-        if chunk >= 0 and chunks[chunk] == 1:      # REGISTERED: the driver reads the host bytes where they are
+        if chunk >= 0 and chunks[chunk] == REGISTERED:     # the driver reads the host bytes where they are
             status = htod(pieces[i, 0], pieces[i, 1], nbytes, stream)
             if status != 0:
                 return status
@@ -307,6 +307,16 @@ class LaneUploader:
                 "direct_bytes": int(self._direct.sum()) - self._direct_before if self._threads is not None else 0,
                 "registered_bytes": self.registered_bytes, "register_s": self.register_s,
                 "register_failures": self.register_failures, "unregister_s": self.unregister_s}
+
+    @staticmethod
+    def describe_direct(stats):
+        """The direct copies' share and the registration's cost in `stats`, as a clause ("" when no map was
+        registered)."""
+        if not stats.get("registered_bytes") and not stats.get("register_failures"):
+            return ""
+        return (f"; {stats['direct_bytes'] / 1e9:.2f} GB straight from the maps, {stats['registered_bytes'] / 1e9:.2f}"
+                f" GB registered in {stats['register_s']:.2f} s summed over the registering threads, "
+                f"{stats['register_failures']} failed")
 
     def reset_stats(self):
         self.bytes = self.arrays = 0
