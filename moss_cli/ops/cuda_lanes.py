@@ -55,7 +55,8 @@ GATHER_S = 0.01                        # a woken lane waits this long for more p
 GATHER_PIECES = 32
 GATHER_BYTES = 64 << 20
 IDLE, GATHER, RUN = 0, 1, 2            # a lane thread: waiting for work, gathering pieces, in its loop
-DIRECT = False                         # copy mapped files' bytes to the device straight from their maps
+DIRECT = False                         # copy mapped files' bytes to the device straight from their maps (off: on an
+                                       # H100 the first step came no sooner, and the maps stay page-locked: BENCHMARKS.md)
 REG_BYTES = 256 << 20                  # a map is registered in chunks of this many bytes (a multiple of pages)
 REG_THREADS = 4                        # threads registering chunks
 MAX_CHUNKS = 1 << 16                   # chunks an uploader can register (16 TB of maps)
