@@ -249,7 +249,6 @@ def describe(r):
             f"waits {u['wait_s']:.2f} s, {u['copies']} copies{LaneUploader.describe_direct(u)})")
 
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
