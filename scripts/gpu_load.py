@@ -14,7 +14,6 @@ through the pinned staging uploader (moss_cli/ops/cuda_upload.py). Runs:
             included, handed to the uploader's thread) and the VAE's params, until every copy is done
   lanes     warm, every tensor handed over at once (CudaOps.preload) to the native lanes
             (moss_cli/ops/cuda_lanes.py, --threads lanes); the other runs use the Python feeder
-  direct    as lanes, the mapped files' bytes copied straight from their maps (registered with the driver)
 
     python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
@@ -130,9 +129,9 @@ def child(model, mode, staging_mb, buffers, threads):
     t = time.perf_counter()
     ckpt = open_checkpoint(model)
     marks["open_checkpoint_s"] = time.perf_counter() - t
-    if mode in ("lanes", "direct"):
+    if mode == "lanes":
         from moss_cli.ops.cuda_lanes import LaneUploader
-        up = cuda_upload._SHARED = LaneUploader(lanes=threads, direct=mode == "direct")
+        up = cuda_upload._SHARED = LaneUploader(lanes=threads)
     else:
         up = cuda_upload._SHARED = cuda_upload.Uploader(staging_mb << 20, buffers, threads)
     free0, total_mem = cuda.current_context().get_memory_info()
@@ -159,7 +158,7 @@ def child(model, mode, staging_mb, buffers, threads):
                         from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host, dtype=np.float32))
                 kept.append(out)
                 nbytes += out.nbytes
-        elif mode in ("lanes", "direct"):
+        elif mode == "lanes":
             ops = CudaOps()
             ops.preload(comp.tensors, wanted)
             nbytes = sum(a.nbytes for a in _device_arrays(ops))
@@ -238,7 +237,6 @@ def run_child(model, mode, staging_mb, buffers, threads, timeout):
 
 
 def describe(r):
-    from moss_cli.ops.cuda_lanes import LaneUploader
     if "error" in r:
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
@@ -246,14 +244,14 @@ def describe(r):
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
             f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s (imports {m['imports_s']:.2f} s, context "
             f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s, "
-            f"waits {u['wait_s']:.2f} s, {u['copies']} copies{LaneUploader.describe_direct(u)})")
+            f"waits {u['wait_s']:.2f} s, {u['copies']} copies)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--out", type=Path, help="results JSON")
-    p.add_argument("--runs", default="warm,warm,baseline,cold", help="comma-separated: warm, cold, baseline, product, lanes, direct")
+    p.add_argument("--runs", default="warm,warm,baseline,cold", help="comma-separated: warm, cold, baseline, product, lanes")
     p.add_argument("--sweep", action="store_true", help="also warm runs over staging size, buffers and threads")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--buffers", type=int, default=3)
@@ -287,7 +285,7 @@ def main(argv=None):
         plan = [r for r in plan if r[0] != "cold"] + [("warm", *s) for s in SWEEP] + cold
     results = []
     for mode, staging_mb, buffers, threads in plan:
-        if mode not in ("warm", "cold", "baseline", "product", "lanes", "direct"):
+        if mode not in ("warm", "cold", "baseline", "product", "lanes"):
             sys.exit(f"unknown run {mode!r}")
         entry = {}
         if mode == "cold":

@@ -17,13 +17,12 @@ waited for the decoder's weight splits (made on a host thread from its load on).
 PNGs beside it.
 
     python scripts/gpu_picture.py MODEL_DIR --out picture.json [--sizes 1024 512] [--steps 50]
-        [--host-profile profile.txt] [--uploader lanes|direct|feeder] [--copy-threads N]
+        [--host-profile profile.txt] [--uploader lanes|feeder] [--copy-threads N]
 
 --host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
 written to that file, and the whole profile beside it (.prof, for pstats); the profiler slows the host, so
 such a run's seconds are not the figures. --uploader feeder takes the Python feeder with copy threads
-(cuda_upload.Uploader) instead of the native lanes (cuda_lanes.LaneUploader), --uploader direct the lanes
-copying the mapped weight files straight from their maps (cuda_lanes.DIRECT), and --copy-threads sets the
+(cuda_upload.Uploader) instead of the native lanes (cuda_lanes.LaneUploader), and --copy-threads sets the
 lanes (or the feeder's copy threads), for A/B runs of the start-up.
 """
 
@@ -111,15 +110,13 @@ def main():
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
     ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
-    ap.add_argument("--uploader", choices=("lanes", "direct", "feeder"), default="lanes",
-                    help="lanes: the native lanes (the product's); direct: the lanes copying mapped files straight "
-                         "from their registered maps; feeder: the Python feeder and its copy threads")
+    ap.add_argument("--uploader", choices=("lanes", "feeder"), default="lanes",
+                    help="lanes: the native lanes (the product's); feeder: the Python feeder and its copy threads")
     ap.add_argument("--copy-threads", type=int, help="the lanes, or the feeder's copy threads (default: 8)")
     args = ap.parse_args()
     if args.device == "cuda":      # the uploader's settings for an A/B run
         from moss_cli.ops import cuda_lanes, cuda_upload
         cuda_upload.USE_LANES = args.uploader != "feeder"
-        cuda_lanes.DIRECT = args.uploader == "direct"
         if args.copy_threads:
             cuda_upload.THREADS = cuda_lanes.LANES = args.copy_threads
     if args.host_profile:
@@ -182,9 +179,9 @@ def _uploader_kind(model_device):
     """Which uploader the process uses: lanes, or the feeder with its switch interval (None on the CPU)."""
     if model_device != "cuda":
         return None
-    from moss_cli.ops import cuda_lanes, cuda_upload
+    from moss_cli.ops import cuda_upload
     if cuda_upload.USE_LANES:
-        return "lanes, direct from registered maps" if cuda_lanes.DIRECT else "lanes"
+        return "lanes"
     return f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
 
 
@@ -196,10 +193,8 @@ def _landed(out, up):
     out["start_to_loaded_s"] = up["landed_at"] - START
     out["uploader"] = {k: v for k, v in up.items() if k != "landed_at"}
     if "host_cpu_s" in up:
-        from moss_cli.ops.cuda_lanes import LaneUploader
         how = (f"{up['threads']} native lanes, {up['host_s']:.2f} s inside their loops, {up['host_cpu_s']:.2f} s of "
                f"CPU")
-        how += LaneUploader.describe_direct(up)
         sched = up.get("lane_sched")
         if sched:
             how += (f"; the lane threads in all {sched['on_cpu_s']:.2f} s on a CPU, {sched['runqueue_s']:.2f} s "

@@ -11,7 +11,7 @@
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
-# cache, picture_cold.json; PICTURE_AB="lanes direct" then processes with each uploader in turn, PICTURE_AB_ROUNDS
+# cache, picture_cold.json; PICTURE_AB="lanes feeder" then processes with each uploader in turn, PICTURE_AB_ROUNDS
 # rounds (default 2), picture_ab-UPLOADER-ROUND.json), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark

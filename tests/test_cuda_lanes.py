@@ -3,17 +3,10 @@ with a fake driver whose "device" is host memory and whose copies run only when 
 waited for or their stream synchronized (as an asynchronous copy may). Uploaded arrays equal the host arrays bit
 for bit (larger than a slot, exactly a slot, many small ones sharing slots, bf16, non-contiguous, stacked rows
 through `out=`); a future completes only once its copies are queued, a failed driver call raises in the caller, a
-woken lane gathers pieces and a waiting caller cuts that short. Control: a loop that refills a slot without
-waiting for its event is caught.
-
-Direct copies (views of a memory-mapped file, registered in chunks): every copy reads either a staging slot
-or one chunk registered at the time, the mapped arrays come through bit for bit (through the slots while
-registration lags or fails), after `finish` the map's later arrays take the slots, and after `close` nothing
-is registered. Controls: a `finish` that leaves its chunks open to direct copies is caught by the copies
-after it; pieces cut at other boundaries than the chunks registered are caught reading across two."""
+woken lane gathers pieces and a waiting caller cuts that short; every copy to the device reads a staging slot.
+Control: a loop that refills a slot without waiting for its event is caught."""
 
 import ctypes
-import mmap
 import threading
 
 import ml_dtypes
@@ -33,11 +26,9 @@ class FakeDriver:
     nothing (a loop that does not wait for a slot's event before refilling it sees no difference then, but its
     bytes do)."""
 
-    def __init__(self, careless=False, fail_at=None, gate=None, register_status=0, register_gate=None):
+    def __init__(self, careless=False, fail_at=None, gate=None):
         self.queues, self.ran, self.marks = {}, {}, {}
-        self.registered, self.stages = {}, []       # address -> bytes; (address, bytes) of each staging buffer
-        self.direct_reads, self.stray_reads, self.register_order = [], [], []
-        self.register_status, self.register_gate = register_status, register_gate
+        self.stages, self.stray_reads = [], []      # (address, bytes) of each staging buffer; copies read elsewhere
         self.lock = threading.RLock()
         self.careless, self.fail_at, self.gate = careless, fail_at, gate
         self.calls = 0
@@ -55,8 +46,7 @@ class FakeDriver:
             if self.fail_at is not None and self.calls >= self.fail_at:
                 return 700
             if not any(a <= src and src + n <= a + size for a, size in self.stages):
-                whole = any(a <= src and src + n <= a + size for a, size in self.registered.items())
-                (self.direct_reads if whole else self.stray_reads).append((src, n))
+                self.stray_reads.append((src, n))
             self.queues[stream].append((dst, src, n))
         return 0
 
@@ -87,21 +77,6 @@ class FakeDriver:
         stage = np.zeros(nbytes, np.uint8)
         self.stages.append((stage.ctypes.data, nbytes))
         return stage
-
-    def register(self, address, nbytes):
-        if self.register_gate is not None:
-            self.register_gate.wait()
-        with self.lock:
-            self.register_order.append(address)
-            if self.register_status == 0:
-                self.registered[address] = nbytes
-            return self.register_status
-
-    def unregister(self, address):
-        with self.lock:
-            self.stray_reads += [] if address in self.registered else [("unregistered twice", address)]
-            self.registered.pop(address, None)
-            return 0
 
     def _id(self):
         self._ids += 1
@@ -159,8 +134,9 @@ def upload_all(driver, lanes=3, slots=2):
 
 @pytest.mark.parametrize("lanes,slots", [(1, 2), (3, 2), (2, 3)])
 def test_lanes_upload_every_byte(lanes, slots):
-    same, stats, hosts, parts = upload_all(FakeDriver(), lanes, slots)
-    assert same
+    driver = FakeDriver()
+    same, stats, hosts, parts = upload_all(driver, lanes, slots)
+    assert same and not driver.stray_reads
     nbytes = sum(h.nbytes for h in hosts) + sum(p.nbytes for p in parts)
     assert stats["bytes"] == nbytes and stats["arrays"] == len(hosts) + len(parts), stats
     assert stats["copies"] >= nbytes // 4096 and stats["landed_at"] is not None
@@ -243,92 +219,3 @@ def test_a_waiting_caller_cuts_the_gathering_short(monkeypatch):
     up.finish()
     assert np.array_equal(dev, host) and sizes == [1]
     up.close()
-
-
-PAGE = mmap.PAGESIZE
-
-
-def mapped_views(tmp_path, rng):
-    """A file's map and arrays viewing it at odd offsets and sizes (one spanning several chunks)."""
-    path = tmp_path / "weights.bin"
-    path.write_bytes(rng.integers(0, 256, 40 * PAGE, dtype=np.uint8).tobytes())
-    with open(path, "rb") as f:
-        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    whole = np.frombuffer(view, np.uint8)
-    spans = [(8, 10 * PAGE), (10 * PAGE + 8, 3 * PAGE + 100), (14 * PAGE, PAGE), (20 * PAGE + 2, 19 * PAGE)]
-    return view, [whole[a:a + n].view(np.uint16) if n % 2 == 0 else whole[a:a + n] for a, n in spans]
-
-
-def upload_mapped(driver, tmp_path, monkeypatch, settle=True, before_close=None, cut_bytes=None):
-    """Upload the views with chunks of 3 pages and slots of 2; then finish; then the same views again."""
-    monkeypatch.setattr(cuda_lanes, "REG_BYTES", 3 * PAGE)
-    view, hosts = mapped_views(tmp_path, np.random.default_rng(1))
-    up = LaneUploader(lanes=2, slots=2, slot_bytes=2 * PAGE, driver=driver, direct=True)
-    up._start()
-    if settle:          # the map seen and its chunks registered before the lanes reach its pieces
-        with up._lock:
-            up._map_chunk(hosts[0])
-        up.wait_registered()
-        assert len(driver.registered) == -(-len(view) // (3 * PAGE))
-    if cut_bytes is not None:       # a planted bug: pieces cut at other boundaries than the chunks registered
-        monkeypatch.setattr(cuda_lanes, "REG_BYTES", cut_bytes)
-    first = [up.to_device_later(h)[0] for h in hosts]
-    stats = dict(up.finish())
-    again = [up.to_device_later(h)[0] for h in hosts]
-    after = up.finish()
-    if before_close is not None:
-        before_close()
-    up.close()
-    same = all(np.array_equal(d, h) for d, h in zip(first + again, hosts + hosts))
-    return same, stats, after, sum(h.nbytes for h in hosts)
-
-
-def test_mapped_arrays_go_straight_from_registered_chunks_then_through_the_slots(tmp_path, monkeypatch):
-    driver = FakeDriver()
-    same, stats, after, nbytes = upload_mapped(driver, tmp_path, monkeypatch)
-    assert same and not driver.stray_reads
-    assert stats["direct_bytes"] == nbytes and stats["register_failures"] == 0, stats
-    assert after["direct_bytes"] == nbytes, after                   # none more after finish retired the chunks
-    assert all(n <= 3 * PAGE for _, n in driver.direct_reads) and not driver.registered
-
-
-def test_pieces_whose_chunks_are_not_registered_yet_take_the_slots(tmp_path, monkeypatch):
-    gate = threading.Event()
-    driver = FakeDriver(register_gate=gate)          # registration held back until every copy is done
-    same, stats, _, _ = upload_mapped(driver, tmp_path, monkeypatch, settle=False, before_close=gate.set)
-    assert same and not driver.stray_reads and stats["direct_bytes"] == 0, stats
-    assert not driver.registered                      # registered late, after retirement: handed back at once
-
-
-def test_a_failed_registration_leaves_the_slots(tmp_path, monkeypatch):
-    driver = FakeDriver(register_status=1)
-    same, stats, _, _ = upload_mapped(driver, tmp_path, monkeypatch, settle=False)
-    assert same and not driver.stray_reads and stats["direct_bytes"] == 0, stats
-
-
-def test_control_chunks_left_open_after_finish_are_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(cuda_lanes, "RETIRED", cuda_lanes.REGISTERED)
-    _, stats, after, nbytes = upload_mapped(FakeDriver(), tmp_path, monkeypatch)
-    assert after["direct_bytes"] > stats["direct_bytes"] == nbytes     # direct copies after finish
-
-
-def test_control_pieces_cut_across_registered_chunks_are_caught(tmp_path, monkeypatch):
-    driver = FakeDriver()
-    upload_mapped(driver, tmp_path, monkeypatch, cut_bytes=4 * PAGE)
-    assert driver.stray_reads                         # a direct copy reading two registered ranges as one
-
-
-def test_the_chunk_a_handed_piece_reads_is_registered_first(tmp_path, monkeypatch):
-    """A map's chunks are registered in file order, but those that pieces handed over read come first."""
-    monkeypatch.setattr(cuda_lanes, "REG_BYTES", 3 * PAGE)
-    monkeypatch.setattr(cuda_lanes, "REG_THREADS", 1)
-    view, hosts = mapped_views(tmp_path, np.random.default_rng(1))
-    driver = FakeDriver()
-    up = LaneUploader(lanes=1, slots=2, slot_bytes=2 * PAGE, driver=driver, direct=True)
-    dev, _ = up.to_device_later(hosts[3])            # pages 20-39: chunks 6 to 13 of the 14
-    up.wait_registered()                             # (finish would drop the chunks not registered yet)
-    up.finish()
-    up.close()
-    base = np.frombuffer(view, np.uint8).ctypes.data
-    first = [(a - base) // (3 * PAGE) for a in driver.register_order[:8]]
-    assert first == list(range(6, 14)) and np.array_equal(dev, hosts[3]), first

@@ -1,8 +1,7 @@
 """The native upload lanes with the real driver (moss_cli/ops/cuda_lanes.py): arrays of every kind uploaded bit for
 bit through lanes of small slots (many slot turns, slots shared by small arrays, stacked rows through `out=`),
 a stream 0 kernel reading an array as soon as its future completes (the lanes' streams are blocking streams),
-the process-wide uploader on a GPU being the lanes, and (the DIRECT option) a mapped file's views copied straight
-from its registered map."""
+and the process-wide uploader on a GPU being the lanes."""
 
 import ml_dtypes
 import numpy as np
@@ -56,34 +55,3 @@ def test_lanes_upload_bit_for_bit_and_order_before_stream_zero():
 
 def test_the_process_uploader_on_a_gpu_is_the_lanes():
     assert cuda_upload.USE_LANES and isinstance(cuda_upload.uploader(), LaneUploader)
-
-
-def test_mapped_arrays_copied_straight_from_their_registered_map(tmp_path):
-    """A file's map registered with the real driver (read-only, in chunks): its views land bit for bit, the
-    copies read the map itself, and finish hands every chunk back."""
-    import mmap
-    from moss_cli.ops import cuda_lanes
-    rng = np.random.default_rng(2)
-    path = tmp_path / "weights.bin"
-    path.write_bytes(rng.integers(0, 256, 6 << 20, dtype=np.uint8).tobytes())
-    with open(path, "rb") as f:
-        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    whole = np.frombuffer(view, np.uint8)
-    hosts = [whole[8:(2 << 20) + 8].view(np.uint16), whole[(2 << 20) + 100:(5 << 20) + 3], whole[5 << 20:]]
-    old = cuda_lanes.REG_BYTES
-    cuda_lanes.REG_BYTES = 1 << 20
-    try:
-        up = LaneUploader(lanes=2, slots=2, slot_bytes=1 << 18, direct=True)
-        up._start()
-        with up._lock:
-            up._map_chunk(hosts[0])
-        up.wait_registered()
-        devs = [up.to_device_later(h)[0] for h in hosts]
-        stats = up.finish()
-        up.close()
-    finally:
-        cuda_lanes.REG_BYTES = old
-    assert stats["register_failures"] == 0, stats
-    assert stats["direct_bytes"] == sum(h.nbytes for h in hosts), stats
-    for h, d in zip(hosts, devs):
-        assert np.array_equal(d.copy_to_host(), h)
