@@ -2,24 +2,25 @@
 
 Each run is a fresh process (so "from process start" counts the imports, the CUDA context, opening the
 checkpoint, the memory maps and the copies) that uploads every tensor each graph reads (the checkpoint's
-expected tensors) through CudaOps.param, the product's path: 2-D matrices as bf16 bits, the rest float32,
-through the pinned staging uploader (moss_cli/ops/cuda_upload.py). Runs:
+expected tensors) as the product stores them (2-D matrices as bf16 bits, the rest float32) through the
+product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes), every tensor handed over
+at once (CudaOps.preload). Runs:
 
   warm      the files in the page cache (run twice: the first right after writing or after a cold run)
   cold      the page cache emptied first: `echo 3 > /proc/sys/vm/drop_caches` where permitted, else (and
             anyway) sync + posix_fadvise(DONTNEED) on every file of the folder, which evicts clean pages of
             files this user can open; the resident fraction (mincore) before and after is reported
-  baseline  warm, the previous path: cuda.to_device per tensor from the memory map (pageable copies)
-  product   warm, the product's load: CudaEncoder.upload and CudaDenoiser.upload (their weight lists, stacks
-            included, handed to the uploader's thread) and the VAE's params, until every copy is done
-  lanes     warm, every tensor handed over at once (CudaOps.preload) to the native lanes
-            (moss_cli/ops/cuda_lanes.py, --threads lanes); the other runs use the Python feeder
+  feeder    warm, the Python feeder the lanes replaced (moss_cli/ops/cuda_upload.py: --staging-mb pinned buffers,
+            --buffers of them, --threads copy threads), CudaOps.param per tensor
+  baseline  warm, cuda.to_device per tensor from the memory map (pageable copies)
+  product   warm, the product's load through the lanes: CudaEncoder.upload and CudaDenoiser.upload (their
+            weight lists, stacks included) and the VAE's params, until every copy is done
 
-    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,baseline,cold] [--sweep]
+    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,feeder,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
     python scripts/gpu_load.py MODEL_DIR --evict      (the page cache emptied as for a cold run, nothing else)
 
---sweep adds warm runs with other staging sizes, buffer counts and thread counts.
+--sweep adds feeder runs with other staging sizes, buffer counts and thread counts.
 """
 
 import argparse
@@ -129,7 +130,7 @@ def child(model, mode, staging_mb, buffers, threads):
     t = time.perf_counter()
     ckpt = open_checkpoint(model)
     marks["open_checkpoint_s"] = time.perf_counter() - t
-    if mode == "lanes":
+    if mode != "feeder":
         from moss_cli.ops.cuda_lanes import LaneUploader
         up = cuda_upload._SHARED = LaneUploader(lanes=threads)
     else:
@@ -158,7 +159,7 @@ def child(model, mode, staging_mb, buffers, threads):
                         from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host, dtype=np.float32))
                 kept.append(out)
                 nbytes += out.nbytes
-        elif mode == "lanes":
+        elif mode in ("warm", "cold"):
             ops = CudaOps()
             ops.preload(comp.tensors, wanted)
             nbytes = sum(a.nbytes for a in _device_arrays(ops))
@@ -176,12 +177,22 @@ def child(model, mode, staging_mb, buffers, threads):
     free1, _ = cuda.current_context().get_memory_info()
     moved = sum(c["bytes"] for c in components.values())
     return {
-        "mode": mode, "staging_mb": staging_mb, "buffers": buffers, "threads": threads,
+        "mode": mode, "how": how(mode, staging_mb, buffers, threads),
+        "staging_mb": staging_mb, "buffers": buffers, "threads": threads,
         "since_process_start_s": since_process_start(), "marks": marks,
         "upload_s": done - began, "bytes": moved, "gb": moved / 1e9, "gb_per_s": moved / 1e9 / (done - began),
         "uploader": stats, "components": components,
         "device_memory_used_gb": (free0 - free1) / 1e9, "device_memory_total_gb": total_mem / 1e9,
     }
+
+
+def how(mode, staging_mb, buffers, threads):
+    """The path a run's bytes take, in words."""
+    if mode == "baseline":
+        return "cuda.to_device per tensor"
+    if mode == "feeder":
+        return f"the Python feeder, {buffers} x {staging_mb} MB pinned, {threads} copy threads"
+    return f"the native lanes, {threads} of them"
 
 
 def _product(name, comp, kept):
@@ -240,7 +251,7 @@ def describe(r):
     if "error" in r:
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
-    return (f"{r['mode']:9s} {r['staging_mb']:4d} MB x{r['buffers']} {r['threads']:2d} thr: "
+    return (f"{r['mode']:8s} ({r['how']}): "
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
             f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s (imports {m['imports_s']:.2f} s, context "
             f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s, "
@@ -251,7 +262,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--out", type=Path, help="results JSON")
-    p.add_argument("--runs", default="warm,warm,baseline,cold", help="comma-separated: warm, cold, baseline, product, lanes")
+    p.add_argument("--runs", default="warm,warm,feeder,baseline,cold",
+                   help="comma-separated: warm, cold, feeder, baseline, product")
     p.add_argument("--sweep", action="store_true", help="also warm runs over staging size, buffers and threads")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--buffers", type=int, default=3)
@@ -282,10 +294,10 @@ def main(argv=None):
     plan = [(mode, args.staging_mb, args.buffers, args.threads) for mode in modes]
     if args.sweep:
         cold = [r for r in plan if r[0] == "cold"]
-        plan = [r for r in plan if r[0] != "cold"] + [("warm", *s) for s in SWEEP] + cold
+        plan = [r for r in plan if r[0] != "cold"] + [("feeder", *s) for s in SWEEP] + cold
     results = []
     for mode, staging_mb, buffers, threads in plan:
-        if mode not in ("warm", "cold", "baseline", "product", "lanes"):
+        if mode not in ("warm", "cold", "feeder", "baseline", "product"):
             sys.exit(f"unknown run {mode!r}")
         entry = {}
         if mode == "cold":
