@@ -130,7 +130,7 @@ def child(model, mode, staging_mb, buffers, threads):
     t = time.perf_counter()
     ckpt = open_checkpoint(model)
     marks["open_checkpoint_s"] = time.perf_counter() - t
-    if mode != "feeder":
+    if mode != "feeder" and cuda_upload.USE_LANES:       # (the simulator has no driver for the lanes: the feeder)
         from moss_cli.ops.cuda_lanes import LaneUploader
         up = cuda_upload._SHARED = LaneUploader(lanes=threads)
     else:
@@ -177,7 +177,7 @@ def child(model, mode, staging_mb, buffers, threads):
     free1, _ = cuda.current_context().get_memory_info()
     moved = sum(c["bytes"] for c in components.values())
     return {
-        "mode": mode, "how": how(mode, staging_mb, buffers, threads),
+        "mode": mode, "how": how(mode, staging_mb, buffers, threads, cuda_upload.USE_LANES and mode != "feeder"),
         "staging_mb": staging_mb, "buffers": buffers, "threads": threads,
         "since_process_start_s": since_process_start(), "marks": marks,
         "upload_s": done - began, "bytes": moved, "gb": moved / 1e9, "gb_per_s": moved / 1e9 / (done - began),
@@ -186,11 +186,11 @@ def child(model, mode, staging_mb, buffers, threads):
     }
 
 
-def how(mode, staging_mb, buffers, threads):
+def how(mode, staging_mb, buffers, threads, lanes):
     """The path a run's bytes take, in words."""
     if mode == "baseline":
         return "cuda.to_device per tensor"
-    if mode == "feeder":
+    if not lanes:
         return f"the Python feeder, {buffers} x {staging_mb} MB pinned, {threads} copy threads"
     return f"the native lanes, {threads} of them"
 
