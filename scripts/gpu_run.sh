@@ -21,6 +21,8 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+touch "$OUT/.call-start"    # what this call writes is newer: a folder used before keeps its files, unpacked
+: > "$OUT/steps.txt"
 if ls .wheels/*.whl >/dev/null 2>&1; then
   # byte-compiled, as an install is: a process start that measures the load must not compile their sources
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .wheels/*.whl || exit 1
@@ -34,16 +36,22 @@ limit="timeout ${STEP_TIMEOUT:-900}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import numpy, numba, numba_cuda, nvmath, cuda.core, torch, transformers; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'nvmath', nvmath.__version__, 'cuda.core', cuda.core.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 python3 -c "from cuda_kernels import sdpa; print(sdpa.available())" 2>&1 | tee -a "$OUT/device.txt"
-# PACK=FILE: the logs with this machine's paths replaced, and every output, packed into FILE as well, after each
-# step (a device call brings back at most 8 files, and a call cut short keeps what its finished steps packed):
+# PACK=FILE: the logs with this machine's paths replaced, and every output this call wrote, packed into FILE as
+# well, after each step (a device call brings back at most 8 files, and a call cut short keeps what its finished
+# steps packed):
 #   PACK=$OUT/all.tgz OUT=/tmp/o bash scripts/gpu_run.sh ...   (PACK first, so $OUT is the call's)
 pack() {
   [ -z "${PACK:-}" ] && return 0
-  sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" \
-    "$OUT"/*.txt "$OUT"/*.log "$OUT"/*.json 2>/dev/null
+  local new
+  mapfile -t new < <(cd "$OUT" && find . -type f -newer .call-start ! -name "$(basename "$PACK")" | sort)
+  [ ${#new[@]} -eq 0 ] && return 0
+  (cd "$OUT" && for f in "${new[@]}"; do
+     case $f in *.txt|*.log|*.json)
+       sed -i "s#/tmp/pytest-of-[A-Za-z0-9_]*#PYTEST_TMP#g; s#/opt/torch#TORCH#g; s#$HOME#HOME#g" "$f" ;; esac
+   done)
   # the archive is made outside $OUT (one written into the folder tar reads changes it under tar) and moved in
   local part="${TMPDIR:-/tmp}/pack-$$.tgz"
-  tar czf "$part" --exclude="./$(basename "$PACK")" -C "$OUT" . && mv "$part" "$PACK"
+  tar czf "$part" -C "$OUT" "${new[@]}" && mv "$part" "$PACK"
 }
 status=0
 for step in "$@"; do
