@@ -130,7 +130,8 @@ def child(model, mode, staging_mb, buffers, threads):
     t = time.perf_counter()
     ckpt = open_checkpoint(model)
     marks["open_checkpoint_s"] = time.perf_counter() - t
-    if mode != "feeder" and cuda_upload.USE_LANES:       # (the simulator has no driver for the lanes: the feeder)
+    lanes = mode != "feeder" and cuda_upload.USE_LANES   # (the simulator has no driver for the lanes: the feeder)
+    if lanes:
         from moss_cli.ops.cuda_lanes import LaneUploader
         up = cuda_upload._SHARED = LaneUploader(lanes=threads)
     else:
@@ -177,7 +178,7 @@ def child(model, mode, staging_mb, buffers, threads):
     free1, _ = cuda.current_context().get_memory_info()
     moved = sum(c["bytes"] for c in components.values())
     return {
-        "mode": mode, "how": how(mode, staging_mb, buffers, threads, cuda_upload.USE_LANES and mode != "feeder"),
+        "mode": mode, "how": how(mode, staging_mb, buffers, threads, lanes),
         "staging_mb": staging_mb, "buffers": buffers, "threads": threads,
         "since_process_start_s": since_process_start(), "marks": marks,
         "upload_s": done - began, "bytes": moved, "gb": moved / 1e9, "gb_per_s": moved / 1e9 / (done - began),
