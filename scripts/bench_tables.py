@@ -79,21 +79,35 @@ def _decode_cell(s, who):
 
 
 def decoder(d):
+    """Ours vs torch fp32 and TF32 vs the floor: the decode's FLOPs three times over (the split's three fp16
+    products) at the fp16 rate torch.matmul reached in the same run."""
     rows = []
     for size, s in d["sizes"].items():
         if "ours_ms" not in s:
-            rows.append([size, s.get("error", "not measured"), "", ""])
+            rows.append([size, s.get("error", "not measured"), "", "", "", ""])
             continue
-        rows.append([f"decode, {size}"] + [_decode_cell(s, who) for who in ("ours", "torch_fp32", "torch_tf32")])
-    return ["### Decoder (pixels off by one vs float64)", ""] + _table(["figure", "ours", "torch fp32", "torch TF32"],
-                                                                      rows)
+        floor = f"{s['floor_ms']:.1f} ms" if "floor_ms" in s else ""
+        rows.append([f"decode, {size}"] + [_decode_cell(s, who) for who in ("ours", "torch_fp32", "torch_tf32")]
+                    + [floor, _ratio(s["torch_tf32_ms"], s["ours_ms"])])
+    rate = d.get("fp16_product_tflops")
+    floor = f"floor (3 fp16 products at {rate:.0f} TFLOP/s)" if rate else "floor"
+    return ["### Decoder (pixels off by one vs float64)", ""] + _table(
+        ["figure", "ours", "torch fp32", "torch TF32", floor, "TF32 / ours"], rows)
 
 
 def load(d):
-    rows = [[r["mode"], r.get("how", ""), f"{r['since_process_start_s']:.2f} s", f"{r['gb']:.2f} GB",
-             f"{r['gb_per_s']:.1f} GB/s"] for r in d["runs"] if "error" not in r]
+    """Every run but the link's, with the floor: its bytes at the pinned host-to-device rate of the link run."""
+    link = next((r for r in d["runs"] if r.get("mode") == "link" and "error" not in r), None)
+    rows = []
+    for r in d["runs"]:
+        if "error" in r or r.get("mode") == "link":
+            continue
+        floor = f"{r['gb'] / link['gb_per_s']:.2f} s" if link else ""
+        rows.append([r["mode"], r.get("how", ""), f"{r['since_process_start_s']:.2f} s", f"{r['gb']:.2f} GB",
+                     f"{r['gb_per_s']:.1f} GB/s", floor])
+    head = f"floor (the bytes at the link's {link['gb_per_s']:.1f} GB/s, pinned)" if link else "floor"
     return ["### Loading (process start to every weight on the GPU)", ""] + _table(
-        ["run", "path", "seconds", "moved", "upload rate"], rows)
+        ["run", "path", "seconds", "moved", "upload rate", head], rows)
 
 
 def _memory_parts(d):
@@ -104,6 +118,16 @@ def _memory_parts(d):
     if "pool_GB" in d:
         parts.append(f"the shared pool {d['pool_GB']:.2f} GB")
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def _picture_floor(p, dit_json, decoder_json):
+    """Seconds of the picture's products at the run's measured rates (the denoise's at the DiT step's bf16
+    rate, the decode's floor), or None where the run lacks one of them."""
+    rate = (dit_json or {}).get("bf16_product_tflops")
+    dec = (decoder_json or {}).get("sizes", {}).get(f"{p['size']}x{p['size']}", {})
+    if "denoise_tflop" not in p or not rate or "floor_ms" not in dec:
+        return None
+    return p["denoise_tflop"] / rate + dec["floor_ms"] / 1e3
 
 
 def picture(d, dit_json=None, decoder_json=None):
@@ -117,9 +141,12 @@ def picture(d, dit_json=None, decoder_json=None):
             dec = decoder_json["sizes"][f"{size}x{size}"]
             if "torch_fp32_ms" in dec:
                 base += f"{', ' if base else ''}decoder fp32 {dec['torch_fp32_ms']:.0f} ms"
+        floor = _picture_floor(p, dit_json, decoder_json)
         rows.append([f"{size}x{size} #{p['repeat']}", f"{p['encode_s']:.2f} s", f"{p['denoise_s']:.2f} s",
-                     f"{p['decode_s']:.3f} s", f"{p['picture_s']:.2f} s", base])
-    head = ["picture", "encode", "denoise", "decode", "total", "baseline (same run)"]
+                     f"{p['decode_s']:.3f} s", f"{p['picture_s']:.2f} s",
+                     f"{floor:.2f} s" if floor is not None else "", base])
+    head = ["picture", "encode", "denoise", "decode", "total", "floor (denoise + decode products)",
+            "baseline (same run)"]
     lines = ["### Whole picture", "", f"Weights on the GPU {d['start_to_loaded_s']:.1f} s after process start; "
              f"first denoising step at {d.get('start_to_first_step_s', float('nan')):.1f} s; "
              f"{d['device_memory_in_use_GB']:.1f} GB of device memory in use{_memory_parts(d)}.", ""]

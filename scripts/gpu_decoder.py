@@ -52,6 +52,17 @@ def random_tensors(config, seed=0):
     return out
 
 
+def half_rate():
+    """TFLOP/s of torch.matmul in fp16 with float32 accumulation at a large product (the split's rate)."""
+    import torch
+    from torch_timing import median_ms
+    m = k = n = 8192
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    ms = median_ms(lambda: a @ b.T, 20)
+    return 2 * m * k * n / (ms * 1e-3) / 1e12
+
+
 def off(a, b):
     d = np.abs(a.astype(int) - b.astype(int))
     return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
@@ -180,6 +191,7 @@ def main(argv=None):
         return 0
 
     import torch
+    from floors import decode_flops
     from reference import vae_decoder
     from torch_timing import by_family, cuda_spans, kernel_table, median_ms, table_lines
     from moss_cli.ops.cuda_decoder import CudaDecoder
@@ -189,9 +201,12 @@ def main(argv=None):
     baseline = f"torch {torch.__version__} eager statement of the decoder, fp32 / TF32 convolutions"
     record = {"config": SMALL, "baseline": baseline, "sizes": {}}
     torch.backends.cuda.matmul.allow_tf32 = False
+    rate = record["fp16_product_tflops"] = half_rate()
     for size in args.sizes:
         latents = _latents(args.seed, size)
-        row = {}
+        # the floor: the decode's FLOPs three times over (the split's three fp16 products) at the fp16 rate
+        flops = decode_flops(SMALL, size)
+        row = {"tflop": flops / 1e12, "floor_ms": 3 * flops / (rate * 1e12) * 1e3}
         start = time.perf_counter()
         pixels = dec.decode(latents)
         row["ours_first_call_s"] = time.perf_counter() - start

@@ -35,6 +35,7 @@ from moss_cli.schedule import sigmas as schedule_sigmas, timesteps
 from moss_cli.transformer import DEFAULTS, expected_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floors import step_flops  # noqa: E402
 from reference.dit import Statement as TorchDit, random_vector  # noqa: E402
 from torch_timing import cuda_spans, kernel_table, median_ms, table_lines  # noqa: E402
 
@@ -89,13 +90,6 @@ def product_rate():
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b.T, 20)
     return 2 * m * k * n / (ms * 1e-3) / 1e12
-
-
-def step_flops(cfg, tokens, text, layers_run):
-    d, f = cfg["dim"], cfg["ffn_dim"]
-    n = tokens + text
-    per_block = 2 * n * (4 * d * d + 3 * d * f) + 4 * n * n * d
-    return per_block * layers_run
 
 
 def profile_step(dit, cond, uncond):

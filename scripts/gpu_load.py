@@ -15,8 +15,10 @@ at once (CudaOps.preload). Runs:
   baseline  warm, cuda.to_device per tensor from the memory map (pageable copies)
   product   warm, the product's load through the lanes: CudaEncoder.upload and CudaDenoiser.upload (their
             weight lists, stacks included) and the VAE's params, until every copy is done
+  link      the host-to-device link alone: 1 GiB pinned copied to the device, the best of five (the floor of
+            a load: its bytes at this rate)
 
-    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs warm,warm,feeder,baseline,cold] [--sweep]
+    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs link,warm,warm,feeder,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
     python scripts/gpu_load.py MODEL_DIR --evict      (the page cache emptied as for a cold run, nothing else)
 
@@ -112,7 +114,28 @@ def since_process_start():
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def link_rate(size=1 << 30, copies=5):
+    """GB/s of the host-to-device link: one pinned host buffer copied to the device, the best of `copies`
+    (CUDA events around each): the load's floor is its bytes at this rate."""
+    import numpy as np
+    from numba import cuda
+    host = cuda.pinned_array(size, np.uint8)
+    host[:] = 1
+    dev = cuda.device_array_like(host)
+    best = float("inf")
+    for _ in range(copies):
+        start, stop = cuda.event(), cuda.event()
+        start.record()
+        dev.copy_to_device(host)
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / 1e3)
+    return {"mode": "link", "gb": host.nbytes / 1e9, "copy_s": best, "gb_per_s": host.nbytes / 1e9 / best}
+
+
 def child(model, mode, staging_mb, buffers, threads):
+    if mode == "link":
+        return link_rate()
     at_start = since_process_start()            # the interpreter's own start-up before this line
     sys.path.insert(0, str(ROOT))
     marks = {"python_start_s": at_start - (time.perf_counter() - STARTED)}
@@ -249,6 +272,8 @@ def run_child(model, mode, staging_mb, buffers, threads, timeout):
 
 
 def describe(r):
+    if r.get("mode") == "link" and "error" not in r:
+        return f"link     pinned host -> device, {r['gb']:.2f} GB: {r['copy_s'] * 1e3:.1f} ms = {r['gb_per_s']:.1f} GB/s"
     if "error" in r:
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
@@ -263,8 +288,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--out", type=Path, help="results JSON")
-    p.add_argument("--runs", default="warm,warm,feeder,baseline,cold",
-                   help="comma-separated: warm, cold, feeder, baseline, product")
+    p.add_argument("--runs", default="link,warm,warm,feeder,baseline,cold",
+                   help="comma-separated: warm, cold, feeder, baseline, product, link")
     p.add_argument("--sweep", action="store_true", help="also feeder runs over staging size, buffers and threads")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--buffers", type=int, default=3)
@@ -298,7 +323,7 @@ def main(argv=None):
         plan = [r for r in plan if r[0] != "cold"] + [("feeder", *s) for s in SWEEP] + cold
     results = []
     for mode, staging_mb, buffers, threads in plan:
-        if mode not in ("warm", "cold", "feeder", "baseline", "product"):
+        if mode not in ("warm", "cold", "feeder", "baseline", "product", "link"):
             sys.exit(f"unknown run {mode!r}")
         entry = {}
         if mode == "cold":

@@ -67,6 +67,7 @@ from numba import cuda  # noqa: E402
 from moss_cli import artifacts, stages  # noqa: E402
 from moss_cli.checkpoint import open_checkpoint  # noqa: E402
 from moss_cli.progress import Silent  # noqa: E402
+from floors import denoise_flops  # noqa: E402
 
 PROMPT = "a red fox in the snow, morning light, detailed fur"
 
@@ -255,6 +256,12 @@ def run(args):
                    "denoise_decode_s": t3 - t1, "picture_s": t3 - t0,
                    "dit_gpu_ms_per_step": getattr(model.transformer, "timings", {"gpu_s": 0.0})["gpu_s"]
                    / args.steps * 1e3}
+            # the denoise's products (the picture's floor, with the decode's): each step's two passes
+            texts_n = [enc.tensors[f"{role}_rows"].shape[0] for role in ("prompt", "negative")]
+            row["text_tokens"] = texts_n
+            row["denoise_tflop"] = denoise_flops(model.checkpoint.config("transformer"), (size // 16) ** 2,
+                                                 texts_n[0], texts_n[1], opts.steps, len(opts.uncond_skip_layers),
+                                                 opts.skip_start, opts.skip_stop) / 1e12
             timings = getattr(model.transformer, "timings", {})
             texts = getattr(model.transformer, "texts", None)      # the kept refined texts (CudaDenoiser)
             row["refined_texts"] = {"refined": texts.misses, "reused": texts.hits} if texts else None

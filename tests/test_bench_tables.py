@@ -54,3 +54,27 @@ def test_the_picture_line_splits_the_memory_where_the_run_reported_it():
         "\n".join(bench_tables.picture(run))
     del run["pool_GB"], run["device_memory_after_load_GB"]
     assert "31.0 GB of device memory in use." in "\n".join(bench_tables.picture(run))
+
+
+def test_floors_are_the_runs_own_rates_applied_to_the_work():
+    """Decoder: the floor as measured; loading: the bytes at the link run's rate (26.15 GB at 25 GB/s = 1.046 s);
+    the picture: its denoise TFLOP at the DiT run's bf16 rate plus the decoder's floor (100 / 800 + 0.024 s)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    dec = {"fp16_product_tflops": 750.0, "sizes": {"1024x1024": {
+        "ours_ms": 80.0, "torch_fp32_ms": 240.0, "torch_tf32_ms": 90.0, "floor_ms": 24.0,
+        "ours_vs_float64": {"percent_off": 0.03}, "torch_fp32_vs_float64": {"percent_off": 0.02},
+        "torch_tf32_vs_float64": {"percent_off": 6.0}}}}
+    text = "\n".join(bench_tables.decoder(dec))
+    assert "3 fp16 products at 750 TFLOP/s" in text and "| 24.0 ms | 1.12 |" in text
+    runs = {"runs": [{"mode": "link", "gb": 1.07, "copy_s": 0.0428, "gb_per_s": 25.0},
+                     {"mode": "warm", "how": "lanes", "since_process_start_s": 2.4, "gb": 26.15, "gb_per_s": 17.7}]}
+    text = "\n".join(bench_tables.load(runs))
+    assert "the link's 25.0 GB/s" in text and "| 1.05 s |" in text and "| link |" not in text
+    pic = {"start_to_loaded_s": 2.3, "device_memory_in_use_GB": 27.7, "pictures": [
+        {"size": 1024, "repeat": 1, "encode_s": 0.02, "denoise_s": 8.4, "decode_s": 0.09, "picture_s": 8.5,
+         "denoise_tflop": 100.0}]}
+    text = "\n".join(bench_tables.picture(pic, {"bf16_product_tflops": 800.0, "sizes": {}}, dec))
+    assert "| 0.15 s |" in text
+    # a run without the rates leaves the floor empty rather than guessing it
+    assert "| 0.15 s |" not in "\n".join(bench_tables.picture(pic, None, dec))

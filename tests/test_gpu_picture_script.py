@@ -26,6 +26,9 @@ def test_the_script_makes_moss_images_picture_and_writes_its_report_and_profile(
     assert set(report["load_parts_s"]) == {"encoder", "transformer", "decoder"}
     # the start-up figures the device step reads are there (their values are timings: benchmarks, not tests)
     assert all(isinstance(report[k], float) for k in ("start_to_made_s", "start_to_loaded_s", "start_to_first_step_s"))
+    # each picture's text lengths and its denoise's products (the picture floor's FLOPs), from the ENC it made
+    first = report["pictures"][0]
+    assert len(first["text_tokens"]) == 2 and min(first["text_tokens"]) >= 1 and first["denoise_tflop"] > 0
     gil = report["gil_probe_to_first_step"]
     assert set(gil) == {"wakeups", "late_5ms", "late_5ms_s", "latest_ms"} and gil["wakeups"] > 0, gil
 
