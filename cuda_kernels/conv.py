@@ -288,8 +288,8 @@ def _make_split_image(control, up, norm=False, triple=False):
         [2 half, 3 half) hi again; image row i is input row r0 + i, its pixel j input column j - pad; zero
         outside x; channels past C are zero. flat: x as one row (the loads' addresses: one add a value)."""
         sh = cuda.shared.array(tile_shape, uint32)
+        aff = cuda.shared.array((3, SPLIT_CH), float32)     # norm: each channel's (mean, w rstd, b)
         got = cuda.local.array(PER_THREAD, float32)
-        groups = cuda.local.array(PER_THREAD, int32)
         s = scale_of(peak[0])
         c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
         h = 2 * x.shape[1] if up else x.shape[1]
@@ -301,15 +301,13 @@ def _make_split_image(control, up, norm=False, triple=False):
         pairs = SPLIT_CH // 2
         # word pairs a pixel's row gets from this block: its tile's, and the last block the zeros up to P
         span = half - c0 // 2 if cuda.blockIdx.y == cuda.gridDim.y - 1 else pairs
-        if norm:       # the affine of each of this thread's channels (_gn_affine_of's terms), read once
-            per_group = gw.shape[0] // stats.shape[0]
-            g, at_g = divmod32(c0 + ty, per_group)
-            for j in range(PER_THREAD):
-                groups[j] = g
-                at_g += ROWS
-                while at_g >= per_group:
-                    at_g -= per_group
-                    g += 1
+        if norm:       # the affine of the block's channels, _gn_affine_of's terms, made once a block
+            t = ty * SPLIT_PX + tx
+            if t < SPLIT_CH and c0 + t < c_in:
+                c = c0 + t
+                g = c // (gw.shape[0] // stats.shape[0])
+                aff[0, t], aff[1, t], aff[2, t] = stats[g, 0], gw[c] * stats[g, 1], gb[c]
+            cuda.syncthreads()
         for tile in range(cuda.blockIdx.x, rows * per_row, cuda.gridDim.x):
             i, x0 = divmod32(tile, per_row)
             x0 *= SPLIT_PX
@@ -329,8 +327,9 @@ def _make_split_image(control, up, norm=False, triple=False):
                 word = uint32(0)                         # zero rows, columns and channels: no conversions
                 if live and c < c_in:
                     v = got[j]
-                    if norm:
-                        v = _gn_silu_of(v, c, groups[j], stats, gw, gb)
+                    if norm:               # _gn_silu_of, its terms from the block's table
+                        at = ty + j * ROWS
+                        v = _silu((v - aff[0, at]) * aff[1, at] + aff[2, at])
                     v *= s
                     hi = to_half(v)
                     lo = to_half(v - from_half(hi)) if not control else uint16(0)
