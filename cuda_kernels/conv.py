@@ -29,7 +29,6 @@ TOP = 14                      # a scaled operand's max lies in [2^14, 2^15)
 TILE = 32                     # finish's transpose tile
 TILE_PAD = TILE + 1           # its shared rows, padded against bank conflicts
 ROWS = 8                      # thread rows of a finish / split_image block
-TILE_STEPS = TILE // ROWS     # the values a finish thread takes
 PART = 128                    # a split part's columns are a multiple of this (256-byte aligned parts and slices)
 SPLIT_PX = 4 if SIMULATED else 32      # pixels (of one image row) of a split_image block
 SPLIT_CH = 16 if SIMULATED else 64     # channels of a split_image block (divides PART)
@@ -363,10 +362,18 @@ def _make_finish(control):
         out, or empty (added last). span > 0 (channels only): d's rows are the taps' grid, rows of span = W + 2
         pixels of which the last two are not the image's: row m is pixel (m // span) W + m % span, or none."""
         sh = cuda.shared.array((TILE, TILE_PAD), float32)
-        got = cuda.local.array(TILE_STEPS, float32)       # the residual's values this thread adds
         inv = float32(1.0) / (scale_of(peak_a[0]) * scale_of(peak_w[0]))
         m0, n0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        for jj in range(TILE // ROWS):          # fixed counts: unrolled, the loads issued together
+            j = ty + jj * ROWS
+            m, n = m0 + j, n0 + tx
+            if m < d.shape[0] and n < d.shape[1]:
+                v = d[U(m), U(n)] * inv
+                if bias.size > 0:
+                    v += bias[U(n)] if not control else bias[0]
+                sh[U(j), U(tx)] = v
+        cuda.syncthreads()
         m, q, live = m0 + tx, m0 + tx, True      # channels: this thread's product row and its pixel q
         if channels and span > 0:
             # grid row m = (row, column) of the taps' grid: one 32-bit division (of the block's m0), then steps
@@ -376,37 +383,22 @@ def _make_finish(control):
                 col -= span
                 row += 1
             q, live = row * (span - 2) + col, col < span - 2
-        adding = res.size > 0
-        # fixed counts: unrolled, the loads issued together, the residual's with d's (not each behind the store
-        # before it, which may be to the same array)
-        for jj in range(TILE_STEPS):
-            j = ty + jj * ROWS
-            if adding:
-                if channels:
-                    if m < d.shape[0] and n0 + j < d.shape[1] and live:
-                        got[jj] = res[U(n0 + j), U(offset + q)]
-                elif m0 + j < d.shape[0] and n0 + tx < d.shape[1]:
-                    got[jj] = res[U(m0 + j), U(n0 + tx)]
-            if m0 + j < d.shape[0] and n0 + tx < d.shape[1]:
-                v = d[U(m0 + j), U(n0 + tx)] * inv
-                if bias.size > 0:
-                    v += bias[U(n0 + tx)] if not control else bias[0]
-                sh[U(j), U(tx)] = v
-        cuda.syncthreads()
-        for jj in range(TILE_STEPS):
+        for jj in range(TILE // ROWS):
             j = ty + jj * ROWS
             if channels:
                 n = n0 + j
                 if m < d.shape[0] and n < d.shape[1] and live:
                     v = sh[U(tx), U(j)]
-                    if adding:
-                        v += got[jj]
+                    if res.size > 0:
+                        v += res[U(n), U(offset + q)]
                     out[U(n), U(offset + q)] = v
-            elif m0 + j < d.shape[0] and n0 + tx < d.shape[1]:
-                v = sh[U(j), U(tx)]
-                if adding:
-                    v += got[jj]
-                out[U(m0 + j), U(n0 + tx)] = v
+            else:
+                m, n = m0 + j, n0 + tx
+                if m < d.shape[0] and n < d.shape[1]:
+                    v = sh[U(j), U(tx)]
+                    if res.size > 0:
+                        v += res[U(m), U(n)]
+                    out[U(m), U(n)] = v
     return finish
 
 
