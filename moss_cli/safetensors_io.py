@@ -25,7 +25,6 @@ import json
 import mmap
 import os
 import tempfile
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -69,35 +68,9 @@ def load(path):
             if size < 8:
                 raise SafetensorsError(f"file is {size} bytes, too short for a safetensors header")
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            _register(buffer, size, f.fileno())
     except OSError as e:
         raise SafetensorsError(f"cannot read {path.name}: {e.strerror}") from None
     return _tensors(buffer)
-
-
-_MAPS = {}      # id of a live map of `load` -> (its address, its bytes, a descriptor of its file)
-
-
-def _register(buffer, size, fileno):
-    """Note a map's address and a descriptor of its file, both forgotten (the descriptor closed) with the map."""
-    key, fd = id(buffer), os.dup(fileno)
-    _MAPS[key] = (np.frombuffer(buffer, np.uint8).ctypes.data, size, fd)
-    weakref.finalize(buffer, _forget, key, fd)
-
-
-def _forget(key, fd):
-    _MAPS.pop(key, None)
-    os.close(fd)
-
-
-def mapped_file(address, nbytes):
-    """(file descriptor, offset) of the file bytes a live map of `load` holds at [address, address + nbytes),
-    or None where none holds them: a reader may pread(2) them from the page cache instead of touching the map.
-    The descriptor stays open as long as the map does."""
-    for start, size, fd in list(_MAPS.values()):
-        if start <= address and address + nbytes <= start + size:
-            return fd, address - start
-    return None
 
 
 def loads(data):

@@ -3,9 +3,8 @@
 Each run is a fresh process (so "from process start" counts the imports, the CUDA context, opening the
 checkpoint, the memory maps and the copies) that uploads every tensor each graph reads (the checkpoint's
 expected tensors) as the product stores them (2-D matrices as bf16 bits, the rest float32) through the
-product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes; the files' pieces read with
-pread, or with --lanes-from-maps copied from the memory maps), every tensor handed over at once
-(CudaOps.preload). Runs:
+product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes), every tensor handed over
+at once (CudaOps.preload). Runs:
 
   warm      the files in the page cache (run twice: the first right after writing or after a cold run)
   cold      the page cache emptied first: `echo 3 > /proc/sys/vm/drop_caches` where permitted, else (and
@@ -134,7 +133,7 @@ def link_rate(size=1 << 30, copies=5):
     return {"mode": "link", "gb": host.nbytes / 1e9, "copy_s": best, "gb_per_s": host.nbytes / 1e9 / best}
 
 
-def child(model, mode, staging_mb, buffers, threads, lane_reads=True):
+def child(model, mode, staging_mb, buffers, threads):
     if mode == "link":
         return link_rate()
     at_start = since_process_start()            # the interpreter's own start-up before this line
@@ -157,7 +156,7 @@ def child(model, mode, staging_mb, buffers, threads, lane_reads=True):
     lanes = mode != "feeder" and cuda_upload.USE_LANES   # (the simulator has no driver for the lanes: the feeder)
     if lanes:
         from moss_cli.ops.cuda_lanes import LaneUploader
-        up = cuda_upload._SHARED = LaneUploader(lanes=threads, read_files=lane_reads)
+        up = cuda_upload._SHARED = LaneUploader(lanes=threads)
     else:
         up = cuda_upload._SHARED = cuda_upload.Uploader(staging_mb << 20, buffers, threads)
     free0, total_mem = cuda.current_context().get_memory_info()
@@ -202,7 +201,7 @@ def child(model, mode, staging_mb, buffers, threads, lane_reads=True):
     free1, _ = cuda.current_context().get_memory_info()
     moved = sum(c["bytes"] for c in components.values())
     return {
-        "mode": mode, "how": how(mode, staging_mb, buffers, threads, lanes, lane_reads),
+        "mode": mode, "how": how(mode, staging_mb, buffers, threads, lanes),
         "staging_mb": staging_mb, "buffers": buffers, "threads": threads,
         "since_process_start_s": since_process_start(), "marks": marks,
         "upload_s": done - began, "bytes": moved, "gb": moved / 1e9, "gb_per_s": moved / 1e9 / (done - began),
@@ -211,13 +210,13 @@ def child(model, mode, staging_mb, buffers, threads, lane_reads=True):
     }
 
 
-def how(mode, staging_mb, buffers, threads, lanes, lane_reads=True):
+def how(mode, staging_mb, buffers, threads, lanes):
     """The path a run's bytes take, in words."""
     if mode == "baseline":
         return "cuda.to_device per tensor"
     if not lanes:
         return f"the Python feeder, {buffers} x {staging_mb} MB pinned, {threads} copy threads"
-    return f"the native lanes, {threads} of them, " + ("reading the files" if lane_reads else "copying from the maps")
+    return f"the native lanes, {threads} of them"
 
 
 def _product(name, comp, kept):
@@ -254,13 +253,11 @@ def _device_arrays(ops):
 
 # --- the orchestration ----------------------------------------------------------------------------
 
-def run_child(model, mode, staging_mb, buffers, threads, timeout, lane_reads=True):
+def run_child(model, mode, staging_mb, buffers, threads, timeout):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     cmd = [sys.executable, str(Path(__file__).resolve()), str(model), "--child", mode, "--child-out", str(out),
            "--staging-mb", str(staging_mb), "--buffers", str(buffers), "--threads", str(threads)]
-    if not lane_reads:
-        cmd.append("--lanes-from-maps")
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
@@ -298,8 +295,6 @@ def main(argv=None):
     p.add_argument("--buffers", type=int, default=3)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
-    p.add_argument("--lanes-from-maps", action="store_true",
-                   help="the lanes copy every piece from the memory maps (memcpy) instead of reading the files")
     p.add_argument("--evict", action="store_true",
                    help="only empty the page cache of the folder's weight files (before another script's process "
                         "on a cold cache) and say how much of them stays cached")
@@ -307,8 +302,7 @@ def main(argv=None):
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        result = child(args.model, args.child, args.staging_mb, args.buffers, args.threads,
-                       not args.lanes_from_maps)
+        result = child(args.model, args.child, args.staging_mb, args.buffers, args.threads)
         args.child_out.write_text(json.dumps(result, indent=1))
         return
     files = weight_files(args.model)
@@ -335,7 +329,7 @@ def main(argv=None):
         if mode == "cold":
             entry["evict"] = evict(files)
         entry["cached_before"] = resident(files)[0] / total
-        result = run_child(args.model, mode, staging_mb, buffers, threads, args.timeout, not args.lanes_from_maps)
+        result = run_child(args.model, mode, staging_mb, buffers, threads, args.timeout)
         result.update(entry)
         results.append(result)
         print(describe(result) + f"  [cached before: {entry['cached_before']:.0%}]", flush=True)

@@ -3,13 +3,10 @@ with a fake driver whose "device" is host memory and whose copies run only when 
 waited for or their stream synchronized (as an asynchronous copy may). Uploaded arrays equal the host arrays bit
 for bit (larger than a slot, exactly a slot, many small ones sharing slots, bf16, non-contiguous, stacked rows
 through `out=`); a future completes only once its copies are queued, a failed driver call raises in the caller, a
-woken lane gathers pieces and a waiting caller cuts that short; every copy to the device reads a staging slot;
-arrays of a checkpoint file's map are read from the file with pread (a short read finished from the map), the
-others copied. Controls: a loop that refills a slot without waiting for its event is caught, and so are reads at
-the wrong file offset."""
+woken lane gathers pieces and a waiting caller cuts that short; every copy to the device reads a staging slot.
+Control: a loop that refills a slot without waiting for its event is caught."""
 
 import ctypes
-import os
 import threading
 
 import ml_dtypes
@@ -29,26 +26,17 @@ class FakeDriver:
     nothing (a loop that does not wait for a slot's event before refilling it sees no difference then, but its
     bytes do)."""
 
-    def __init__(self, careless=False, fail_at=None, gate=None, skew=0):
+    def __init__(self, careless=False, fail_at=None, gate=None):
         self.queues, self.ran, self.marks = {}, {}, {}
-        self.reads, self.skew = [], skew          # pread's (bytes, offset) calls; skew: read that far on (a control)
         self.stages, self.stray_reads = [], []      # (address, bytes) of each staging buffer; copies read elsewhere
         self.lock = threading.RLock()
         self.careless, self.fail_at, self.gate = careless, fail_at, gate
         self.calls = 0
         self.memcpy = cuda_lanes._c_function(ctypes.CDLL(None), "memcpy", U64, U64, U64, ctypes.c_size_t)
-        self.pread = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int, U64, ctypes.c_size_t, ctypes.c_int64)(self._pread)
         self.htod = ctypes.CFUNCTYPE(STATUS, U64, U64, ctypes.c_size_t, U64)(self._htod)
         self.record = ctypes.CFUNCTYPE(STATUS, U64, U64)(self._record)
         self.wait = ctypes.CFUNCTYPE(STATUS, U64)(self._wait)
         self._kept, self._ids = [], 0
-
-    def _pread(self, fd, at, n, offset):
-        data = os.pread(fd, n, offset + self.skew)
-        ctypes.memmove(at, data, len(data))
-        with self.lock:
-            self.reads.append((len(data), offset))
-        return len(data)
 
     def _htod(self, dst, src, n, stream):
         if self.gate is not None:
@@ -231,63 +219,3 @@ def test_a_waiting_caller_cuts_the_gathering_short(monkeypatch):
     up.finish()
     assert np.array_equal(dev, host) and sizes == [1]
     up.close()
-
-
-def _mapped(tmp_path):
-    """Arrays of a safetensors file's map (as a checkpoint's are), bf16 among them, and the file's bytes."""
-    from moss_cli import safetensors_io
-    rng = np.random.default_rng(5)
-    arrays = {"big": rng.standard_normal(5000).astype(np.float32),              # five slots of 4096 bytes
-              "bf16": rng.standard_normal((64, 48)).astype(ml_dtypes.bfloat16),
-              "odd": rng.standard_normal((37, 129)).astype(np.float32),
-              "tiny": np.arange(3, dtype=np.float32)}
-    path = tmp_path / "w.safetensors"
-    safetensors_io.save(path, arrays)
-    return safetensors_io.load(path)[0], arrays
-
-
-@pytest.mark.parametrize("read_files", [True, False])
-def test_a_files_arrays_are_read_from_the_file(tmp_path, read_files):
-    mapped, arrays = _mapped(tmp_path)
-    driver = FakeDriver()
-    up = LaneUploader(lanes=2, slots=2, slot_bytes=4096, driver=driver, read_files=read_files)
-    devs = {name: up.to_device_later(a)[0] for name, a in mapped.items()}
-    made = np.arange(100, dtype=np.float32)           # an array made in memory: copied
-    dev_made = up.to_device_later(made)[0]
-    stats = up.finish()
-    up.close()
-    assert all(np.array_equal(bits(devs[n]).view(np.uint8), bits(a).view(np.uint8)) for n, a in arrays.items())
-    assert np.array_equal(dev_made, made) and not driver.stray_reads
-    file_bytes = sum(a.nbytes for a in arrays.values())
-    assert stats["file_bytes"] == (file_bytes if read_files else 0)
-    assert sum(n for n, _ in driver.reads) == stats["file_bytes"]
-
-
-def test_a_short_read_is_finished_from_the_map(tmp_path):
-    mapped, arrays = _mapped(tmp_path)
-
-    class Short(FakeDriver):
-        """A piece's first read returns at most 1000 bytes, the read after it fails."""
-        def _pread(self, fd, at, n, offset):
-            if offset in self.cut:
-                return -1
-            got = super()._pread(fd, at, min(n, 1000), offset)
-            self.cut.add(offset + got)
-            return got
-    driver = Short()
-    driver.cut = set()
-    up = LaneUploader(lanes=1, slots=2, slot_bytes=4096, driver=driver)
-    devs = {name: up.to_device_later(a)[0] for name, a in mapped.items()}
-    up.finish()
-    up.close()
-    assert all(np.array_equal(bits(devs[n]).view(np.uint8), bits(a).view(np.uint8)) for n, a in arrays.items())
-    assert sum(n for n, _ in driver.reads) < sum(a.nbytes for a in arrays.values())     # the maps gave the rest
-
-
-def test_control_reads_at_the_wrong_file_offset_are_caught(tmp_path):
-    mapped, arrays = _mapped(tmp_path)
-    up = LaneUploader(lanes=2, slots=2, slot_bytes=4096, driver=FakeDriver(skew=4))
-    devs = {name: up.to_device_later(a)[0] for name, a in mapped.items()}
-    up.finish()
-    up.close()
-    assert not np.array_equal(devs["big"], arrays["big"])

@@ -4,11 +4,8 @@ The feeder uploader (cuda_upload.Uploader) takes the GIL around every host copy,
 hand-off to its copy threads. While the caller's thread runs Python (a component's first pass: kernels loaded,
 products planned, graphs captured) each of those waits for the GIL, and the weights land late. Here each of
 LANES threads runs one compiled loop (`run_lane`, numba `njit(nogil=True)`) over every piece it has been handed,
-calling libc's pread and memcpy and the CUDA driver (cuMemcpyHtoDAsync, cuEventRecord, cuEventSynchronize) through
-their C entry points, so a lane takes the GIL once a batch, not once a piece. A piece of a checkpoint file's map
-(safetensors_io.mapped_file) is read from the file with pread: the kernel copies it from the page cache, where a
-memcpy from the map would take a page fault every few pages of it and walk the map's 4 KB pages; other pieces
-(arrays made in memory) are copied with memcpy.
+calling libc's memcpy and the CUDA driver (cuMemcpyHtoDAsync, cuEventRecord, cuEventSynchronize) through their C
+entry points, so a lane takes the GIL once a batch, not once a piece.
 
 A lane owns SLOTS pinned staging slots of SLOT_BYTES and one blocking stream (work queued later on the legacy
 default stream waits for its copies, as with the feeder). Its loop copies a piece into the current slot
@@ -37,7 +34,6 @@ import time
 import numpy as np
 from numba import njit
 
-from ..safetensors_io import mapped_file
 from .cuda_upload import Uploader, host_bytes
 
 LANES = min(8, os.cpu_count() or 1)   # lane threads
@@ -48,16 +44,13 @@ POLL_S = 0.0002                        # a waiting future looks at the lanes' co
 GATHER_S = 0.01                        # a woken lane waits this long for more pieces (or for these many:)
 GATHER_PIECES = 32
 GATHER_BYTES = 64 << 20
-READ_FILES = True                      # pieces of a file's map read with pread(2), not copied from the map
 IDLE, GATHER, RUN = 0, 1, 2            # a lane thread: waiting for work, gathering pieces, in its loop
 
 
 @njit(nogil=True, cache=True)
-def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcpy, pread, htod, record, wait):
-    """Queue every piece (rows: device address, host address, bytes, file descriptor or -1, file offset) to
-    the device in order, through this lane's slots. A piece with a file is read into its slot with pread
-    (from the page cache, without touching the map at its host address; a short or failed read is finished
-    by memcpy from that address), any other one copied with memcpy.
+def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcpy, htod, record, wait):
+    """Queue every piece (rows: device address, host address, bytes) to the device in order, through this
+    lane's slots.
 
     stage: the address of the lane's first slot (the others follow, slot_bytes apart); events: one per slot;
     state: [current slot, bytes of it used, then per slot 1 while an event recorded behind it is unwaited],
@@ -83,15 +76,7 @@ def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcp
                     return status
                 state[2 + cur] = 0
         at = stage + cur * slot_bytes + used
-        got = 0
-        if pieces[i, 3] >= 0:
-            while got < nbytes:
-                step = pread(pieces[i, 3], at + got, nbytes - got, pieces[i, 4] + got)
-                if step <= 0:
-                    break
-                got += step
-        if got < nbytes:
-            memcpy(at + got, pieces[i, 1] + got, nbytes - got)
+        memcpy(at, pieces[i, 1], nbytes)
         status = htod(pieces[i, 0], at, nbytes, stream)
         if status != 0:
             return status
@@ -120,9 +105,7 @@ class Driver:
         self.record = _c_function(lib, "cuEventRecord", status, u64, u64)
         self.wait = _c_function(lib, "cuEventSynchronize", status, u64)
         self._stream_sync = _c_function(lib, "cuStreamSynchronize", status, u64)
-        libc = ctypes.CDLL(None)
-        self.memcpy = _c_function(libc, "memcpy", u64, u64, u64, ctypes.c_size_t)
-        self.pread = _c_function(libc, "pread", ctypes.c_ssize_t, ctypes.c_int, u64, ctypes.c_size_t, ctypes.c_int64)
+        self.memcpy = _c_function(ctypes.CDLL(None), "memcpy", u64, u64, u64, ctypes.c_size_t)
         self._kept = []             # numba's stream and event objects, alive as long as the driver
 
     def activate(self):
@@ -198,14 +181,13 @@ class Queued:
 class LaneUploader:
     """host arrays -> device arrays through `lanes` native lanes of `slots` pinned slots of `slot_bytes`."""
 
-    def __init__(self, lanes=None, slots=None, slot_bytes=None, driver=None, read_files=None):
+    def __init__(self, lanes=None, slots=None, slot_bytes=None, driver=None):
         self.lanes = max(1, int(LANES if lanes is None else lanes))
         self.slots = int(SLOTS if slots is None else slots)
         if self.slots < 2:
             raise ValueError("a lane needs at least two staging slots to overlap copies")
         self.slot_bytes = -(-int(SLOT_BYTES if slot_bytes is None else slot_bytes) // ALIGN) * ALIGN
         self.driver = driver
-        self.read_files = READ_FILES if read_files is None else bool(read_files)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)      # progress and errors (finish waits on it)
         self._hurry = 0                                     # callers waiting for copies: lanes gather no longer
@@ -225,7 +207,6 @@ class LaneUploader:
             out = self.driver.empty(host.shape, host.dtype)
         src = host.reshape(-1).view(np.uint8)
         dst = self.driver.address(out) if host.nbytes else 0
-        fd, offset = (mapped_file(src.ctypes.data, src.size) if self.read_files and src.size else None) or (-1, 0)
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -233,8 +214,7 @@ class LaneUploader:
             while begin < src.size:
                 take = min(self.slot_bytes, src.size - begin)
                 lane = int(np.argmin(self._lane_bytes))
-                self._pending[lane].append((dst + begin, src.ctypes.data + begin, take, fd,
-                                            offset + begin if fd >= 0 else 0, src))
+                self._pending[lane].append((dst + begin, src.ctypes.data + begin, take, src))
                 self._pending_bytes[lane] += take
                 self._handed[lane] += 1
                 self._lane_bytes[lane] += take
@@ -245,7 +225,6 @@ class LaneUploader:
             need = self._handed.copy()
             self.arrays += 1
             self.bytes += src.size
-            self.file_bytes += src.size if fd >= 0 else 0
         return out, Queued(self, need)
 
     def finish(self):
@@ -275,16 +254,15 @@ class LaneUploader:
         bytes per second; host_s and host_cpu_s: the lanes' wall and CPU seconds inside their loops (copies
         into the slots, driver calls, waits for a slot), summed over the lanes; wait_s: finish's waits for the
         lanes and the device; landed_at: time.perf_counter() when every lane had last run out of work and found
-        its copies done; file_bytes: the bytes read from files with pread."""
+        its copies done."""
         copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
                 "host_cpu_s": self.host_cpu_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
-                "file_bytes": self.file_bytes,
                 "staging_bytes": self.slot_bytes, "buffers": self.slots, "threads": self.lanes}
 
     def reset_stats(self):
-        self.bytes = self.arrays = self.file_bytes = 0
+        self.bytes = self.arrays = 0
         self.host_s = self.host_cpu_s = self.wait_s = self.seconds = 0.0
         self.began = self.landed_at = None
         self._copies_before = int(self._done.sum()) if self._threads is not None else 0
@@ -367,11 +345,11 @@ class LaneUploader:
                     return
                 batch, self._pending[lane] = self._pending[lane], []
                 self._pending_bytes[lane] = 0
-            pieces = np.array([piece[:5] for piece in batch], np.int64)
+            pieces = np.array([piece[:3] for piece in batch], np.int64)
             wall, cpu = time.perf_counter(), time.thread_time()
             status = run_lane(pieces, self._bases[lane], self.slot_bytes, self._events[lane], self._streams[lane],
-                              self._states[lane], self._done, lane, driver.memcpy, driver.pread, driver.htod,
-                              driver.record, driver.wait)
+                              self._states[lane], self._done, lane, driver.memcpy, driver.htod, driver.record,
+                              driver.wait)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             del batch                         # the bytes are in the slots now
             with self._cond:
