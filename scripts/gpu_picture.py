@@ -258,7 +258,7 @@ def run(args):
                    / args.steps * 1e3}
             # the denoise's products (the picture's floor, with the decode's): each step's two passes
             texts_n = [enc.tensors[f"{role}_rows"].shape[0] for role in ("prompt", "negative")]
-            row["text_tokens"] = texts_n
+            row["text_tokens"], row["steps"] = texts_n, opts.steps
             row["denoise_tflop"] = denoise_flops(model.checkpoint.config("transformer"), (size // 16) ** 2,
                                                  texts_n[0], texts_n[1], opts.steps, len(opts.uncond_skip_layers),
                                                  opts.skip_start, opts.skip_stop) / 1e12
