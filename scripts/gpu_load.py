@@ -280,8 +280,10 @@ def describe(r):
     return (f"{r['mode']:8s} ({r['how']}): "
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
             f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s (imports {m['imports_s']:.2f} s, context "
-            f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s, "
-            f"waits {u['wait_s']:.2f} s, {u['copies']} copies)")
+            f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s"
+            + (f" ({u['host_cpu_s']:.2f} s on a CPU, {u['slot_wait_s']:.2f} s waiting for slots)"
+               if u.get("slot_wait_s") is not None else "")
+            + f", waits {u['wait_s']:.2f} s, {u['copies']} copies)")
 
 
 def main(argv=None):

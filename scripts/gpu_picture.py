@@ -195,7 +195,7 @@ def _landed(out, up):
     out["uploader"] = {k: v for k, v in up.items() if k != "landed_at"}
     if "host_cpu_s" in up:
         how = (f"{up['threads']} native lanes, {up['host_s']:.2f} s inside their loops, {up['host_cpu_s']:.2f} s of "
-               f"CPU")
+               f"CPU, {up.get('slot_wait_s', 0.0):.2f} s waiting for slots")
         sched = up.get("lane_sched")
         if sched:
             how += (f"; the lane threads in all {sched['on_cpu_s']:.2f} s on a CPU, {sched['runqueue_s']:.2f} s "

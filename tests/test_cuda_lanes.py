@@ -219,3 +219,19 @@ def test_a_waiting_caller_cuts_the_gathering_short(monkeypatch):
     up.finish()
     assert np.array_equal(dev, host) and sizes == [1]
     up.close()
+
+
+def test_the_lanes_time_their_waits_for_slots():
+    """slot_wait_s sums the lanes' waits for a slot's copies: with each wait held 5 ms by the driver, at least
+    5 ms a wait (the waits counted by the driver)."""
+    class Slow(FakeDriver):
+        def _wait(self, event):
+            with self.lock:
+                self.waits += 1
+            threading.Event().wait(0.005)
+            return super()._wait(event)
+    driver = Slow()
+    driver.waits = 0
+    same, stats, _, _ = upload_all(driver, lanes=2, slots=2)
+    assert same and driver.waits > 0
+    assert stats["slot_wait_s"] >= 0.005 * driver.waits, (stats["slot_wait_s"], driver.waits)

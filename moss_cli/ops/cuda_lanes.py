@@ -44,17 +44,19 @@ POLL_S = 0.0002                        # a waiting future looks at the lanes' co
 GATHER_S = 0.01                        # a woken lane waits this long for more pieces (or for these many:)
 GATHER_PIECES = 32
 GATHER_BYTES = 64 << 20
-IDLE, GATHER, RUN = 0, 1, 2            # a lane thread: waiting for work, gathering pieces, in its loop
+IDLE, GATHER, RUN = 0, 1, 2
+CLOCK_MONOTONIC = 1                    # clock_gettime's clock for the lanes' slot waits            # a lane thread: waiting for work, gathering pieces, in its loop
 
 
 @njit(nogil=True, cache=True)
-def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcpy, htod, record, wait):
+def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcpy, htod, record, wait, clock, stamp):
     """Queue every piece (rows: device address, host address, bytes) to the device in order, through this
     lane's slots.
 
     stage: the address of the lane's first slot (the others follow, slot_bytes apart); events: one per slot;
-    state: [current slot, bytes of it used, then per slot 1 while an event recorded behind it is unwaited],
-    kept between calls; done[lane] += 1 after each piece's copy is queued. Returns 0, or the first nonzero
+    state: [current slot, bytes of it used, then per slot 1 while an event recorded behind it is unwaited, then
+    the nanoseconds spent waiting for slots], kept between calls; clock: libc's clock_gettime, stamp its
+    timespec (two int64); done[lane] += 1 after each piece's copy is queued. Returns 0, or the first nonzero
     status of a driver call (the state then tells where it stopped)."""
     slots = events.shape[0]
     cur = state[0]
@@ -71,9 +73,13 @@ def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcp
             state[0] = cur
             state[1] = 0
             if state[2 + cur] != 0:
+                clock(CLOCK_MONOTONIC, stamp.ctypes.data)
+                began = stamp[0] * 1_000_000_000 + stamp[1]
                 status = wait(events[cur])
                 if status != 0:
                     return status
+                clock(CLOCK_MONOTONIC, stamp.ctypes.data)
+                state[2 + slots] += stamp[0] * 1_000_000_000 + stamp[1] - began
                 state[2 + cur] = 0
         at = stage + cur * slot_bytes + used
         memcpy(at, pieces[i, 1], nbytes)
@@ -91,6 +97,9 @@ def _c_function(lib, name, restype, *argtypes):
     function = lib[name]
     function.restype, function.argtypes = restype, list(argtypes)
     return function
+
+
+_CLOCK = _c_function(ctypes.CDLL(None), "clock_gettime", ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
 
 
 class Driver:
@@ -254,11 +263,15 @@ class LaneUploader:
         bytes per second; host_s and host_cpu_s: the lanes' wall and CPU seconds inside their loops (copies
         into the slots, driver calls, waits for a slot), summed over the lanes; wait_s: finish's waits for the
         lanes and the device; landed_at: time.perf_counter() when every lane had last run out of work and found
-        its copies done."""
+        its copies done; slot_wait_s: the lanes' seconds waiting for a slot's copies to the device before
+        refilling it, summed over the lanes."""
         copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
+        slot_wait_ns = sum(int(state[-1]) for state in self._states) - self._slot_wait_before \
+            if self._threads is not None else 0
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
                 "host_cpu_s": self.host_cpu_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
+                "slot_wait_s": slot_wait_ns / 1e9,
                 "staging_bytes": self.slot_bytes, "buffers": self.slots, "threads": self.lanes}
 
     def reset_stats(self):
@@ -266,6 +279,7 @@ class LaneUploader:
         self.host_s = self.host_cpu_s = self.wait_s = self.seconds = 0.0
         self.began = self.landed_at = None
         self._copies_before = int(self._done.sum()) if self._threads is not None else 0
+        self._slot_wait_before = sum(int(state[-1]) for state in self._states) if self._threads is not None else 0
 
     def thread_ids(self):
         """The lane threads' kernel thread ids (for /proc/self/task/ID), [] before the first array."""
@@ -298,7 +312,8 @@ class LaneUploader:
         self._bases = [base + lane * self.slots * self.slot_bytes for lane in range(n)]
         self._streams = [self.driver.new_stream() for _ in range(n)]
         self._events = [np.array([self.driver.new_event() for _ in range(self.slots)], np.int64) for _ in range(n)]
-        self._states = [np.zeros(2 + self.slots, np.int64) for _ in range(n)]
+        self._states = [np.zeros(3 + self.slots, np.int64) for _ in range(n)]
+        self._stamps = [np.zeros(2, np.int64) for _ in range(n)]
         self._done = np.zeros(n, np.int64)        # pieces queued, per lane (written only by that lane's loop)
         self._handed = np.zeros(n, np.int64)      # pieces handed over, per lane
         self._lane_bytes = np.zeros(n, np.int64)
@@ -349,7 +364,7 @@ class LaneUploader:
             wall, cpu = time.perf_counter(), time.thread_time()
             status = run_lane(pieces, self._bases[lane], self.slot_bytes, self._events[lane], self._streams[lane],
                               self._states[lane], self._done, lane, driver.memcpy, driver.htod, driver.record,
-                              driver.wait)
+                              driver.wait, _CLOCK, self._stamps[lane])
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             del batch                         # the bytes are in the slots now
             with self._cond:
