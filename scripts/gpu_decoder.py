@@ -52,17 +52,6 @@ def random_tensors(config, seed=0):
     return out
 
 
-def half_rate():
-    """TFLOP/s of torch.matmul in fp16 with float32 accumulation at a large product (the split's rate)."""
-    import torch
-    from torch_timing import median_ms
-    m = k = n = 8192
-    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.float16)
-    ms = median_ms(lambda: a @ b.T, 20)
-    return 2 * m * k * n / (ms * 1e-3) / 1e12
-
-
 def off(a, b):
     d = np.abs(a.astype(int) - b.astype(int))
     return {"percent_off": float(100 * np.mean(d > 0)), "max_diff": int(d.max())}
@@ -193,7 +182,7 @@ def main(argv=None):
     import torch
     from floors import decode_flops
     from reference import vae_decoder
-    from torch_timing import by_family, cuda_spans, kernel_table, median_ms, table_lines
+    from torch_timing import by_family, cuda_spans, kernel_table, matmul_tflops, median_ms, table_lines
     from moss_cli.ops.cuda_decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
@@ -201,7 +190,7 @@ def main(argv=None):
     baseline = f"torch {torch.__version__} eager statement of the decoder, fp32 / TF32 convolutions"
     record = {"config": SMALL, "baseline": baseline, "sizes": {}}
     torch.backends.cuda.matmul.allow_tf32 = False
-    rate = record["fp16_product_tflops"] = half_rate()
+    rate = record["fp16_product_tflops"] = matmul_tflops(8192, 8192, 8192, torch.float16)   # the split's rate
     for size in args.sizes:
         latents = _latents(args.seed, size)
         # the floor: the decode's FLOPs three times over (the split's three fp16 products) at the fp16 rate

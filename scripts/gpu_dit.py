@@ -37,7 +37,7 @@ from moss_cli.transformer import DEFAULTS, expected_tensors
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floors import step_flops  # noqa: E402
 from reference.dit import Statement as TorchDit, random_vector  # noqa: E402
-from torch_timing import cuda_spans, kernel_table, median_ms, table_lines  # noqa: E402
+from torch_timing import cuda_spans, kernel_table, matmul_tflops, median_ms, table_lines  # noqa: E402
 
 TEXT = 300
 SKIP = (22,)
@@ -82,14 +82,6 @@ def make_weights(cfg, seed=0):
             theirs[name] = v.cuda()
     cuda.synchronize()
     return ours, theirs
-
-
-def product_rate():
-    m, k, n = 4396, 3072, 16384
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b.T, 20)
-    return 2 * m * k * n / (ms * 1e-3) / 1e12
 
 
 def profile_step(dit, cond, uncond):
@@ -147,7 +139,7 @@ def main():
           flush=True)
     torch.cuda.empty_cache()
 
-    rate = product_rate()
+    rate = matmul_tflops(4396, 3072, 16384, torch.bfloat16)     # the up/gate product at 1024x1024
     out["bf16_product_tflops"] = rate
     out["sizes"] = {}
     for size in args.sizes:

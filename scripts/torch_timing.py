@@ -1,5 +1,5 @@
-"""GPU timing tools of the GPU scripts, through torch: the median of CUDA-event-timed calls (the baselines), and
-the kernels a callable queues as CUPTI sees them (torch.profiler), summed per name with the idle gaps."""
+"""GPU timing tools of the GPU scripts, through torch: the median of CUDA-event-timed calls (the baselines), a
+product's rate (the floors), and the kernels a callable queues as CUPTI sees them (torch.profiler), summed per name with the idle gaps."""
 
 import statistics
 
@@ -21,6 +21,15 @@ def median_ms(fn, reps, warm=2):
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def matmul_tflops(m, k, n, dtype):
+    """TFLOP/s torch.matmul reaches on one [m, k] x [k, n] product of random `dtype` operands (median of 20):
+    the rate a floor takes its products at."""
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype)
+    ms = median_ms(lambda: a @ b.T, 20)
+    return 2 * m * k * n / (ms * 1e-3) / 1e12
 
 
 def cuda_spans(run):

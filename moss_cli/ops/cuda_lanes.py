@@ -44,8 +44,8 @@ POLL_S = 0.0002                        # a waiting future looks at the lanes' co
 GATHER_S = 0.01                        # a woken lane waits this long for more pieces (or for these many:)
 GATHER_PIECES = 32
 GATHER_BYTES = 64 << 20
-IDLE, GATHER, RUN = 0, 1, 2
-CLOCK_MONOTONIC = 1                    # clock_gettime's clock for the lanes' slot waits            # a lane thread: waiting for work, gathering pieces, in its loop
+IDLE, GATHER, RUN = 0, 1, 2            # a lane thread: waiting for work, gathering pieces, in its loop
+CLOCK_MONOTONIC = 1                    # clock_gettime's clock for the lanes' slot waits
 
 
 @njit(nogil=True, cache=True)
@@ -266,8 +266,7 @@ class LaneUploader:
         its copies done; slot_wait_s: the lanes' seconds waiting for a slot's copies to the device before
         refilling it, summed over the lanes."""
         copies = int(self._done.sum()) - self._copies_before if self._threads is not None else 0
-        slot_wait_ns = sum(int(state[-1]) for state in self._states) - self._slot_wait_before \
-            if self._threads is not None else 0
+        slot_wait_ns = self._slot_wait_ns() - self._slot_wait_before
         return {"bytes": self.bytes, "arrays": self.arrays, "copies": copies, "seconds": self.seconds,
                 "bytes_per_s": self.bytes / self.seconds if self.seconds else None, "host_s": self.host_s,
                 "host_cpu_s": self.host_cpu_s, "wait_s": self.wait_s, "landed_at": self.landed_at,
@@ -279,7 +278,11 @@ class LaneUploader:
         self.host_s = self.host_cpu_s = self.wait_s = self.seconds = 0.0
         self.began = self.landed_at = None
         self._copies_before = int(self._done.sum()) if self._threads is not None else 0
-        self._slot_wait_before = sum(int(state[-1]) for state in self._states) if self._threads is not None else 0
+        self._slot_wait_before = self._slot_wait_ns()
+
+    def _slot_wait_ns(self):
+        """The lanes' nanoseconds waiting for slots so far (each lane's state keeps its own, last)."""
+        return sum(int(state[-1]) for state in self._states) if self._threads is not None else 0
 
     def thread_ids(self):
         """The lane threads' kernel thread ids (for /proc/self/task/ID), [] before the first array."""
