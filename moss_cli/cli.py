@@ -215,6 +215,8 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     from .checkpoint import open_checkpoint
     checkpoint = open_checkpoint(model_dir)
+    # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
+    preloaded = stages.preload_gpu_weights(checkpoint, device)
     models = {}
 
     def model_for(stage):
@@ -224,6 +226,9 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         return models[chosen]
 
     chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+    if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
+        from .ops.cuda_preload import discard
+        discard()
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")

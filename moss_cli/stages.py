@@ -6,6 +6,7 @@ why its PNG equals the chained commands' PNG.
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -95,18 +96,70 @@ def _gpu_memory():
 HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}
 
 
-def _require_gpu_room(comp, matrix_bytes):
+def _require_gpu_room(comp, matrix_bytes, memory=None):
     """Refuse, before any upload, a component whose weights alone do not fit in the GPU's free memory: on
     the GPU its 2-D matrices take `matrix_bytes` an element (bf16: 2; the decoder keeps float32: 4), every
-    other tensor float32; the tensors it reads from the host (HOST_TENSORS) take nothing there."""
+    other tensor float32; the tensors it reads from the host (HOST_TENSORS) take nothing there, nor do the
+    weights already allocated for it at process start (preload_gpu_weights). `memory`: () -> (free, total) bytes
+    (numba's by default)."""
     host = HOST_TENSORS.get(comp.name, ())
     need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for k, a in comp.tensors.items() if k not in host)
-    free, total = _gpu_memory()
+    if matrix_bytes == 2 and need:
+        from .ops.cuda_preload import handed_bytes
+        need = max(0, need - handed_bytes(comp.tensors))
+    if not need:
+        return
+    free, total = (memory or _gpu_memory)()
     if need > free:
         what = {"text_encoder": "text encoder", "vae": "VAE decoder"}.get(comp.name, comp.name)
         raise DeviceError(f"the {what} needs {need / 1e9:.1f} GB of GPU memory for its weights, and "
                           f"{free / 1e9:.1f} of the GPU's {total / 1e9:.1f} GB are free; free some, or run this "
                           "stage with --device cpu")
+
+
+GPU_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer"}   # stages whose weights preload sends
+
+
+def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise")):
+    """Start sending the weights of these stages' components to the GPU now, before the kernel library is
+    imported (cuda_preload: the CUDA driver through ctypes, the upload lanes), and return at once; the
+    components made later take them. Nothing happens on the CPU or the simulator, where the GPU extra is
+    missing, or where no usable GPU answers (the stages then say why when they resolve their device).
+    Returns the bytes handed over."""
+    if device == "cpu" or os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return 0
+    import importlib.util
+    if any(importlib.util.find_spec(m) is None for m in ("numba", "nvmath")):
+        return 0
+    import threading
+    from .ops import cuda_driver
+    try:
+        drv = cuda_driver.Driver(open=False)
+    except DeviceError:
+        return 0
+    failed = []
+    opening = threading.Thread(target=lambda: _try(drv.open, failed), name="cuda-open")
+    opening.start()                    # cuInit and the context (the GIL released) while numba loads the lane loop
+    from .ops import cuda_lanes, cuda_preload
+    cuda_lanes.warm(drv)
+    opening.join()
+    if failed or drv.compute_capability < (8, 0):
+        return 0
+    drv.activate()
+    cuda_driver.driver(opened=drv)
+    handed = 0
+    for stage in stages:
+        comp = checkpoint.component(GPU_COMPONENTS[stage])
+        _require_gpu_room(comp, 2, drv.memory_info)
+        handed += cuda_preload.start(comp)
+    return handed
+
+
+def _try(call, failed):
+    try:
+        call()
+    except Exception as e:     # no GPU, a driver problem: the stages report it when they resolve their device
+        failed.append(e)
 
 
 class Model:

@@ -2,23 +2,28 @@
 
 Each run is a fresh process (so "from process start" counts the imports, the CUDA context, opening the
 checkpoint, the memory maps and the copies) that uploads every tensor each graph reads (the checkpoint's
-expected tensors) as the product stores them (2-D matrices as bf16 bits, the rest float32) through the
-product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes), every tensor handed over
-at once (CudaOps.preload). Runs:
+expected tensors, or the product's weight lists) as the product stores them (2-D matrices as bf16 bits, the rest
+float32) through the product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes), every
+tensor handed over at once. Runs:
 
-  warm      the files in the page cache (run twice: the first right after writing or after a cold run)
-  cold      the page cache emptied first: `echo 3 > /proc/sys/vm/drop_caches` where permitted, else (and
+  early     the product's load as moss-image runs it, the files in the page cache: right after the checkpoint
+            is opened, before the kernel library is imported, the encoder's and the transformer's weights go to
+            the GPU (stages.preload_gpu_weights: the driver through ctypes, the lanes), then the components are
+            made (CudaEncoder.upload and CudaDenoiser.upload take those weights; the VAE's params through the
+            lanes), until every copy is done. The embedding table stays on the host, as in the product
+  product   the same with the lanes started only after the imports and the context (no preload)
+  cold      early, the page cache emptied first: `echo 3 > /proc/sys/vm/drop_caches` where permitted, else (and
             anyway) sync + posix_fadvise(DONTNEED) on every file of the folder, which evicts clean pages of
             files this user can open; the resident fraction (mincore) before and after is reported
+  warm      every expected tensor (the embedding table too), handed over at once after the imports and the
+            context (CudaOps.preload)
   feeder    warm, the Python feeder the lanes replaced (moss_cli/ops/cuda_upload.py: --staging-mb pinned buffers,
             --buffers of them, --threads copy threads), CudaOps.param per tensor
   baseline  warm, cuda.to_device per tensor from the memory map (pageable copies)
-  product   warm, the product's load through the lanes: CudaEncoder.upload and CudaDenoiser.upload (their
-            weight lists, stacks included) and the VAE's params, until every copy is done
   link      the host-to-device link alone: 1 GiB pinned copied to the device, the best of five (the floor of
             a load: its bytes at this rate)
 
-    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs link,warm,warm,feeder,baseline,cold] [--sweep]
+    python scripts/gpu_load.py MODEL_DIR --out load.json [--runs link,early,early,product,warm,feeder,baseline,cold] [--sweep]
         [--staging-mb 128] [--buffers 3] [--threads 8]
     python scripts/gpu_load.py MODEL_DIR --evict      (the page cache emptied as for a cold run, nothing else)
 
@@ -39,6 +44,8 @@ from pathlib import Path
 STARTED = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 COMPONENTS = ("text_encoder", "transformer", "vae")
+MODES = ("early", "product", "cold", "warm", "feeder", "baseline", "link")
+PRELOADED = ("early", "cold")     # the runs that start the weights before the kernel library is imported
 SWEEP = [(64, 2, 4), (64, 3, 8), (128, 3, 4), (256, 3, 8), (256, 2, 16), (128, 4, 16)]
 
 
@@ -139,37 +146,54 @@ def child(model, mode, staging_mb, buffers, threads):
     at_start = since_process_start()            # the interpreter's own start-up before this line
     sys.path.insert(0, str(ROOT))
     marks = {"python_start_s": at_start - (time.perf_counter() - STARTED)}
+    began = None
+    if mode in PRELOADED:                       # moss-image's order: the checkpoint, the weights, then the imports
+        t = time.perf_counter()
+        from moss_cli import stages
+        from moss_cli.checkpoint import open_checkpoint
+        from moss_cli.ops import cuda_lanes
+        cuda_lanes.LANES = threads
+        marks["imports_before_preload_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ckpt = open_checkpoint(model)
+        marks["open_checkpoint_s"] = time.perf_counter() - t
+        began = t = time.perf_counter()
+        marks["preload_bytes"] = stages.preload_gpu_weights(ckpt, "cuda")
+        marks["preload_s"] = time.perf_counter() - t
+        if not marks["preload_bytes"] and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
+            raise SystemExit("the preload sent nothing to the GPU")
     t = time.perf_counter()
     import numpy as np
     from numba import cuda
     from moss_cli.checkpoint import expected_tensors, open_checkpoint
-    from moss_cli.ops import cuda_upload
+    from moss_cli.ops import cuda_lanes, cuda_upload
     from moss_cli.ops.cuda_table import CudaOps, _is_bf16
     from cuda_kernels.core import from_bf16_bits, to_bf16_bits
     marks["imports_s"] = time.perf_counter() - t
     t = time.perf_counter()
     cuda.current_context()
     marks["context_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    ckpt = open_checkpoint(model)
-    marks["open_checkpoint_s"] = time.perf_counter() - t
+    if mode not in PRELOADED:
+        t = time.perf_counter()
+        ckpt = open_checkpoint(model)
+        marks["open_checkpoint_s"] = time.perf_counter() - t
     lanes = mode != "feeder" and cuda_upload.USE_LANES   # (the simulator has no driver for the lanes: the feeder)
     if lanes:
-        from moss_cli.ops.cuda_lanes import LaneUploader
-        up = cuda_upload._SHARED = LaneUploader(lanes=threads)
+        cuda_lanes.LANES = threads
+        up = cuda_upload._SHARED = cuda_lanes.process_lanes()
     else:
         up = cuda_upload._SHARED = cuda_upload.Uploader(staging_mb << 20, buffers, threads)
     free0, total_mem = cuda.current_context().get_memory_info()
     components = {}
     kept = []
-    began = time.perf_counter()
+    began = began or time.perf_counter()
     for name in COMPONENTS:
         t = time.perf_counter()
         comp = ckpt.component(name)
         mapped = time.perf_counter() - t
         wanted = expected_tensors(name, comp.config)
         nbytes = 0
-        if mode == "product":
+        if mode in ("product",) + PRELOADED:
             ops = _product(name, comp, kept)
             nbytes = sum(a.nbytes for a in _device_arrays(ops))
         elif mode == "baseline":
@@ -183,7 +207,7 @@ def child(model, mode, staging_mb, buffers, threads):
                         from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host, dtype=np.float32))
                 kept.append(out)
                 nbytes += out.nbytes
-        elif mode in ("warm", "cold"):
+        elif mode == "warm":
             ops = CudaOps()
             ops.preload(comp.tensors, wanted)
             nbytes = sum(a.nbytes for a in _device_arrays(ops))
@@ -216,6 +240,10 @@ def how(mode, staging_mb, buffers, threads, lanes):
         return "cuda.to_device per tensor"
     if not lanes:
         return f"the Python feeder, {buffers} x {staging_mb} MB pinned, {threads} copy threads"
+    if mode in PRELOADED:
+        return f"the product's, preloaded: the native lanes, {threads} of them, from before the kernel imports"
+    if mode == "product":
+        return f"the product's, the native lanes, {threads} of them, after the imports"
     return f"the native lanes, {threads} of them"
 
 
@@ -277,9 +305,11 @@ def describe(r):
     if "error" in r:
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
+    early = (f"preload {m['preload_bytes'] / 1e9:.2f} GB handed over {m['preload_s']:.2f} s after "
+             f"{m['imports_before_preload_s']:.2f} s of imports, then " if "preload_s" in m else "")
     return (f"{r['mode']:8s} ({r['how']}): "
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
-            f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s (imports {m['imports_s']:.2f} s, context "
+            f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s ({early}imports {m['imports_s']:.2f} s, context "
             f"{m['context_s']:.2f} s, open {m['open_checkpoint_s']:.2f} s; host copies {u['host_s']:.2f} s"
             + (f" ({u['host_cpu_s']:.2f} s on a CPU, {u['slot_wait_s']:.2f} s waiting for slots)"
                if u.get("slot_wait_s") is not None else "")
@@ -290,8 +320,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--out", type=Path, help="results JSON")
-    p.add_argument("--runs", default="link,warm,warm,feeder,baseline,cold",
-                   help="comma-separated: warm, cold, feeder, baseline, product, link")
+    p.add_argument("--runs", default="link,early,early,product,warm,feeder,baseline,cold",
+                   help="comma-separated: early, product, cold, warm, feeder, baseline, link")
     p.add_argument("--sweep", action="store_true", help="also feeder runs over staging size, buffers and threads")
     p.add_argument("--staging-mb", type=int, default=128)
     p.add_argument("--buffers", type=int, default=3)
@@ -325,7 +355,7 @@ def main(argv=None):
         plan = [r for r in plan if r[0] != "cold"] + [("feeder", *s) for s in SWEEP] + cold
     results = []
     for mode, staging_mb, buffers, threads in plan:
-        if mode not in ("warm", "cold", "feeder", "baseline", "product", "link"):
+        if mode not in MODES:
             sys.exit(f"unknown run {mode!r}")
         entry = {}
         if mode == "cold":

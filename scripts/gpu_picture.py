@@ -21,9 +21,12 @@ PNGs beside it.
 
 --host-profile: the process's host time under cProfile (the 40 largest by cumulative and by own time),
 written to that file, and the whole profile beside it (.prof, for pstats); the profiler slows the host, so
-such a run's seconds are not the figures. --uploader feeder takes the Python feeder with copy threads
-(cuda_upload.Uploader) instead of the native lanes (cuda_lanes.LaneUploader), and --copy-threads sets the
-lanes (or the feeder's copy threads), for A/B runs of the start-up.
+such a run's seconds are not the figures. As moss-image does, the encoder's and the transformer's weights start
+for the GPU right after the checkpoint is opened, before the kernel library is imported
+(stages.preload_gpu_weights); --uploader lanes-late starts the lanes only when the components are made, and
+--uploader feeder takes the Python feeder with copy threads (cuda_upload.Uploader) instead of the native lanes
+(cuda_lanes.LaneUploader); --copy-threads sets the lanes (or the feeder's copy threads), for A/B runs of the
+start-up.
 """
 
 import threading
@@ -61,8 +64,6 @@ PROBE.start()
 import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-from numba import cuda  # noqa: E402
 
 from moss_cli import artifacts, stages  # noqa: E402
 from moss_cli.checkpoint import open_checkpoint  # noqa: E402
@@ -111,15 +112,20 @@ def main():
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--device", default="cuda", help="cpu: the same flow on the CPU (a check of the script)")
     ap.add_argument("--host-profile", help="write cProfile's tables of this process here (slows it)")
-    ap.add_argument("--uploader", choices=("lanes", "feeder"), default="lanes",
-                    help="lanes: the native lanes (the product's); feeder: the Python feeder and its copy threads")
+    ap.add_argument("--uploader", choices=("lanes", "lanes-late", "feeder"), default="lanes",
+                    help="lanes: the native lanes from before the kernel imports (moss-image's); lanes-late: the lanes "
+                         "from the components' loads on; feeder: the Python feeder and its copy threads")
     ap.add_argument("--copy-threads", type=int, help="the lanes, or the feeder's copy threads (default: 8)")
     args = ap.parse_args()
     if args.device == "cuda":      # the uploader's settings for an A/B run
-        from moss_cli.ops import cuda_lanes, cuda_upload
-        cuda_upload.USE_LANES = args.uploader != "feeder"
+        from moss_cli.ops import cuda_lanes
         if args.copy_threads:
-            cuda_upload.THREADS = cuda_lanes.LANES = args.copy_threads
+            cuda_lanes.LANES = args.copy_threads
+        if args.uploader == "feeder":
+            from moss_cli.ops import cuda_upload
+            cuda_upload.USE_LANES = False
+            if args.copy_threads:
+                cuda_upload.THREADS = args.copy_threads
     if args.host_profile:
         import cProfile
         profiler = cProfile.Profile()
@@ -176,13 +182,14 @@ def _sched(tids):
     return total
 
 
-def _uploader_kind(model_device):
-    """Which uploader the process uses: lanes, or the feeder with its switch interval (None on the CPU)."""
+def _uploader_kind(args, model_device):
+    """Which uploader the process uses: lanes (preloaded, or late), or the feeder with its switch interval (None
+    on the CPU)."""
     if model_device != "cuda":
         return None
     from moss_cli.ops import cuda_upload
     if cuda_upload.USE_LANES:
-        return "lanes"
+        return "lanes, preloaded" if args.uploader == "lanes" else "lanes, late"
     return f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
 
 
@@ -213,12 +220,18 @@ def _landed(out, up):
 
 
 def run(args):
+    checkpoint = open_checkpoint(args.model)
+    preload = {"preload_at_s": time.perf_counter() - START}
+    if args.device == "cuda" and args.uploader == "lanes":    # as moss-image: before the kernel library's imports
+        preload["preload_bytes"] = stages.preload_gpu_weights(checkpoint, "cuda")
+        preload["preload_s"] = time.perf_counter() - START - preload["preload_at_s"]
+    from numba import cuda
     imported = time.perf_counter()
     clock = Clock()
     if args.device == "cuda":      # count the pool's blocks that come back inside a garbage collection
         from moss_cli.ops.cuda_table import shared_pool
         shared_pool().watch_collector()
-    model = stages.Model(open_checkpoint(args.model), device=args.device, progress=clock)
+    model = stages.Model(checkpoint, device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
     free0, total = memory()
     parts = {}
@@ -227,7 +240,7 @@ def run(args):
         getattr(model, part)
         parts[part] = time.perf_counter() - t
     made = time.perf_counter()
-    out = {"uploader_kind": _uploader_kind(args.device), "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
+    out = {"uploader_kind": _uploader_kind(args, args.device), **preload, "imports_s": imported - START, "load_s": made - imported, "load_parts_s": parts,
            "start_to_made_s": made - START, "start_to_loaded_s": made - START,
            "device_memory_after_load_GB": (total - memory()[0]) / 1e9, "pictures": []}
     print(f"components made {made - START:.2f} s after process start (imports {imported - START:.2f} s; "

@@ -1,6 +1,7 @@
 """scripts/gpu_load.py's runs in the CUDA simulator on a --scale 64 random folder: every expected tensor goes
 to the device under the 2-D bf16 rule (bytes counted): handed over at once (the product's uploader; in the
-simulator the feeder, as the product's), tensor by tensor through the feeder, and through cuda.to_device."""
+simulator the feeder, as the product's), tensor by tensor through the feeder, and through cuda.to_device; the
+product's load (`early`) moves all but the encoder's embedding table."""
 
 import json
 import os
@@ -25,7 +26,7 @@ def test_load_runs_move_every_expected_tensor(tmp_path):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     out = tmp_path / "load.json"
     done = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "scripts/gpu_load.py"), str(model), "--out",
-                           str(out), "--runs", "warm,feeder,baseline", "--staging-mb", "1", "--threads", "2"],
+                           str(out), "--runs", "early,warm,feeder,baseline", "--staging-mb", "1", "--threads", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -35,7 +36,12 @@ def test_load_runs_move_every_expected_tensor(tmp_path):
         shapes = expected_tensors(name, ckpt.config(name))
         want[name] = sum(int(np.prod(s)) * (2 if len(s) == 2 else 4) for s in shapes.values())
     runs = {r["mode"]: r for r in summary["runs"]}
-    assert set(runs) == {"warm", "feeder", "baseline"}
+    assert set(runs) == {"early", "warm", "feeder", "baseline"}
+    early = runs.pop("early")            # the product's load: the encoder's embedding table stays on the host
+    table = ckpt.component("text_encoder").tensors["embed_tokens.weight"]
+    assert {n: c["bytes"] for n, c in early["components"].items()} == dict(want, text_encoder=want["text_encoder"]
+                                                                            - table.size * 2)
+    assert early["marks"]["preload_bytes"] == 0          # the simulator: the preload leaves it to the components
     for r in runs.values():
         assert {n: c["bytes"] for n, c in r["components"].items()} == want
         assert r["bytes"] == sum(want.values()) and r["since_process_start_s"] > r["upload_s"] > 0

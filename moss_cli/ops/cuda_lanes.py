@@ -22,8 +22,9 @@ for an array (`result`, `finish`) cuts the gathering short.
     dev, queued = up.to_device_later(host)     # at once; queued.result() once its copies are queued
     up.finish()                          # every copy done; the stats
 
-The driver's calls go through `Driver`; a test gives a fake one whose copies run only when an event or a
-synchronize forces them, so a slot refilled before its copies ran shows.
+The driver's calls go through cuda_driver.Driver (ctypes: nothing here imports numba.cuda, so a process starts
+its lanes before the kernel library is imported, cuda_preload); a test gives a fake driver whose copies run only
+when an event or a synchronize forces them, so a slot refilled before its copies ran shows.
 """
 
 import ctypes
@@ -34,7 +35,8 @@ import time
 import numpy as np
 from numba import njit
 
-from .cuda_upload import Uploader, host_bytes
+from .cuda_driver import _c_function
+from .host_weights import host_bytes
 
 LANES = min(8, os.cpu_count() or 1)   # lane threads
 SLOTS = 3                              # pinned staging slots a lane
@@ -92,71 +94,7 @@ def run_lane(pieces, stage, slot_bytes, events, stream, state, done, lane, memcp
     return 0
 
 
-def _c_function(lib, name, restype, *argtypes):
-    """lib's `name` as a fresh ctypes function object (its own argtypes, not the library's cached attribute)."""
-    function = lib[name]
-    function.restype, function.argtypes = restype, list(argtypes)
-    return function
-
-
 _CLOCK = _c_function(ctypes.CDLL(None), "clock_gettime", ctypes.c_int, ctypes.c_int, ctypes.c_uint64)
-
-
-class Driver:
-    """The CUDA driver and libc through ctypes, as the lanes use them; device arrays are numba's."""
-
-    def __init__(self):
-        from numba import cuda
-        self._cuda = cuda
-        u64, status = ctypes.c_uint64, ctypes.c_int
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.htod = _c_function(lib, "cuMemcpyHtoDAsync_v2", status, u64, u64, ctypes.c_size_t, u64)
-        self.record = _c_function(lib, "cuEventRecord", status, u64, u64)
-        self.wait = _c_function(lib, "cuEventSynchronize", status, u64)
-        self._stream_sync = _c_function(lib, "cuStreamSynchronize", status, u64)
-        self.memcpy = _c_function(ctypes.CDLL(None), "memcpy", u64, u64, u64, ctypes.c_size_t)
-        self._kept = []             # numba's stream and event objects, alive as long as the driver
-
-    def activate(self):
-        """Make the process's CUDA context current on the calling (lane) thread."""
-        self._cuda.current_context()
-
-    def staging(self, nbytes):
-        return self._cuda.pinned_array(nbytes, np.uint8)
-
-    def new_stream(self):
-        stream = self._cuda.stream()
-        self._kept.append(stream)
-        return _handle(stream)
-
-    def new_event(self):
-        event = self._cuda.event(timing=False)
-        self._kept.append(event)
-        return _handle(event)
-
-    def stream_sync(self, stream):
-        _check(self._stream_sync(stream), "cuStreamSynchronize")
-
-    def empty(self, shape, dtype):
-        return self._cuda.device_array(shape, dtype)
-
-    @staticmethod
-    def address(array):
-        return array.__cuda_array_interface__["data"][0]
-
-
-def _handle(obj):
-    """A numba stream's or event's driver handle as an integer (NVIDIA binding objects or ctypes pointers)."""
-    handle = obj.handle
-    try:
-        return int(handle)
-    except TypeError:
-        return int(handle.value or 0)
-
-
-def _check(status, call):
-    if status != 0:
-        raise RuntimeError(f"{call} failed with CUDA driver status {status}")
 
 
 class Queued:
@@ -205,11 +143,19 @@ class LaneUploader:
         self.reset_stats()
 
     # --- the API (as cuda_upload.Uploader's) ---------------------------------------------------------
-    to_device = Uploader.to_device      # to_device_later, then wait for the future (and with wait, finish)
+    def to_device(self, host, out=None, wait=False):
+        """to_device_later, then wait for its future (and with `wait`, for every copy: finish)."""
+        out, queued = self.to_device_later(host, out)
+        queued.result()
+        if wait:
+            self.finish()
+        return out
 
     def to_device_later(self, host, out=None):
         """(device array, future) at once; the future completes when every copy of `host` is queued (stream 0
-        work queued after that runs after them). Until then nothing may read the device array, nor `host` change."""
+        work queued after that runs after them). Until then nothing may read the device array, nor `host` change.
+        Without `out` the array is the driver's (on a GPU a cuda_driver.DeviceBuffer, which
+        numba.cuda.as_cuda_array wraps without a copy)."""
         host = host_bytes(host, out)
         self._start()
         if out is None:
@@ -235,6 +181,11 @@ class LaneUploader:
             self.arrays += 1
             self.bytes += src.size
         return out, Queued(self, need)
+
+    def empty(self, shape, dtype):
+        """An uninitialised device array from the lanes' driver (parts go into its rows through `out=`)."""
+        self._start()
+        return self.driver.empty(shape, dtype)
 
     def finish(self):
         """Block until every array handed over is on the device; the stats so far."""
@@ -308,7 +259,8 @@ class LaneUploader:
         if self._threads is not None:
             return
         if self.driver is None:
-            self.driver = Driver()
+            from .cuda_driver import driver
+            self.driver = driver()
         n = self.lanes
         self._stage = self.driver.staging(n * self.slots * self.slot_bytes)
         base = self._stage.ctypes.data
@@ -386,3 +338,22 @@ class LaneUploader:
                         if all(self._idle):
                             self.landed_at = time.perf_counter()
                     self._cond.notify_all()
+
+
+def warm(driver):
+    """Load (or compile) run_lane for these driver entry points, copying nothing: the lanes' first batch then
+    starts copying at once. The entry points need no context, so this may run while another thread opens it."""
+    run_lane(np.zeros((0, 3), np.int64), 0, 1, np.zeros(SLOTS, np.int64), 0, np.zeros(3 + SLOTS, np.int64),
+             np.zeros(1, np.int64), 0, driver.memcpy, driver.htod, driver.record, driver.wait, _CLOCK,
+             np.zeros(2, np.int64))
+
+
+_PROCESS = None
+
+
+def process_lanes():
+    """The process's lanes (cuda_upload.uploader() on a GPU, and cuda_preload's), made on first use."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = LaneUploader()
+    return _PROCESS

@@ -23,14 +23,16 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
-from cuda_kernels.core import SIMULATED, DeviceView, columns, from_bf16_bits, to_bf16_bits
+from cuda_kernels.core import SIMULATED, DeviceView, columns, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
 from ..encoder import Qwen35Encoder, check_ids, text_config
 from .cuda_conv import ConvCudaOps
 from .cuda_dit import DitCudaOps
 from .cuda_gdn import GdnCudaOps
+from .cuda_driver import DeviceBuffer
 from .cuda_pool import Pool
+from .host_weights import is_bf16 as _is_bf16, stored_form
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -55,10 +57,6 @@ class Stacked:
 
     def __init__(self, weight, sizes):
         self.weight, self.sizes = weight, tuple(sizes)
-
-
-def _is_bf16(dtype):
-    return np.dtype(dtype).name == "bfloat16"
 
 
 def _dense(x):
@@ -189,14 +187,11 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
             if out.dtype != np.uint16 and out.dtype != np.float32:
                 raise TypeError(f"{name}: device tensors must be uint16 (bf16 bits) or float32, not {out.dtype}")
         else:
-            from .cuda_upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
-            host = np.asarray(value)
-            if host.ndim == 2:
-                host = host.view(np.uint16) if _is_bf16(host.dtype) else to_bf16_bits(host)
-            else:
-                host = np.asarray(from_bf16_bits(host.view(np.uint16)) if _is_bf16(host.dtype) else host,
-                                  dtype=np.float32)
-            out, self._landing[key] = uploader().to_device_later(host)
+            handed = _handed(tensors, name)       # sent at process start (cuda_preload), else sent now
+            if handed is None:
+                from .cuda_upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
+                handed = uploader().to_device_later(stored_form(value))
+            out, self._landing[key] = _numba_array(handed[0]), handed[1]
         return out
 
     def params(self, tensors, names, later=False):
@@ -210,9 +205,13 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """params' Stacked, made once (the host parts' copies handed to the uploader, the last under `key`)."""
         values = [tensors[n] for n in names]
         sizes = [v.shape[0] for v in values]
-        if all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
-            host = [np.asarray(v) for v in values]
-            bits = [h.view(np.uint16) if _is_bf16(h.dtype) else to_bf16_bits(h) for h in host]
+        handed = _handed(tensors, names)          # sent at process start (cuda_preload)
+        if handed is not None:
+            weight, self._landing[key] = _numba_array(handed[0]), handed[1]
+        elif all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
+            bits = [stored_form(v) for v in values]
+            if any(b.ndim != 2 for b in bits):
+                raise ValueError(f"{names}: a stack needs 2-D parts")
             from .cuda_upload import uploader    # each part straight into its rows, no host concatenation
             weight = cuda.device_array((sum(sizes), bits[0].shape[1]), np.uint16)
             row = 0
@@ -532,6 +531,19 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         scores = self.new((q.shape[1], q.shape[0], k.shape[0]))
         rope_attention.attention(q, k, v, out, scale, causal, scores, stream=self.stream)
         return out
+
+
+def _handed(tensors, name):
+    """cuda_preload's (device buffer, future) for this weight, or None (none handed over, or the simulator)."""
+    if SIMULATED:
+        return None
+    from .cuda_preload import take
+    return take(tensors, name)
+
+
+def _numba_array(out):
+    """A device array as numba's (a cuda_driver.DeviceBuffer wrapped without a copy; it stays alive with it)."""
+    return cuda.as_cuda_array(out, sync=False) if isinstance(out, DeviceBuffer) else out
 
 
 def table_rows(table, ids, out=None):

@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import config, cuda
 
+from .host_weights import host_bytes
+
 STAGING_BYTES = 128 << 20   # one pinned staging buffer
 BUFFERS = 3                 # staging buffers in rotation
 THREADS = min(8, os.cpu_count() or 1)   # host copy threads per piece
@@ -237,22 +239,6 @@ class Uploader:
             self._events[self._current] = None
 
 
-def host_bytes(host, out=None):
-    """`host` as the C-contiguous array whose bytes are sent (bf16 as its uint16 bits), checked against `out`:
-    None, or a C-contiguous device array (or a test's numpy stand-in) of as many bytes."""
-    host = np.asarray(host)
-    if host.dtype.name == "bfloat16":
-        host = host.view(np.uint16)
-    if not host.flags.c_contiguous:
-        host = np.ascontiguousarray(host)
-    if out is not None:
-        contiguous = out.is_c_contiguous() if hasattr(out, "is_c_contiguous") else out.flags.c_contiguous
-        if out.size * out.dtype.itemsize != host.nbytes or not contiguous:
-            raise ValueError(f"out ({out.dtype} {tuple(out.shape)}) is not a contiguous array of the "
-                             f"{host.nbytes} bytes of a {host.dtype} {host.shape} host array")
-    return host
-
-
 def _copied(stage, src):
     """np.copyto(stage, src) (the GIL released); its (wall, thread CPU) seconds."""
     wall, cpu = time.perf_counter(), time.thread_time()
@@ -275,8 +261,8 @@ def uploader():
     global _SHARED
     if _SHARED is None:
         if USE_LANES:
-            from .cuda_lanes import LaneUploader
-            _SHARED = LaneUploader()
+            from .cuda_lanes import process_lanes
+            _SHARED = process_lanes()
         else:
             _SHARED = Uploader()
     return _SHARED

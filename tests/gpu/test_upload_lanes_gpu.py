@@ -30,7 +30,7 @@ def test_lanes_upload_bit_for_bit_and_order_before_stream_zero():
              rng.standard_normal((640, 48)).astype(ml_dtypes.bfloat16),
              rng.standard_normal((300, 200)).astype(np.float32).T]
     hosts += [rng.standard_normal(int(n)).astype(np.float32) for n in rng.integers(1, 3000, 300)]
-    devs = [up.to_device_later(h)[0] for h in hosts]
+    devs = [cuda.as_cuda_array(up.to_device_later(h)[0]) for h in hosts]     # the driver's buffers, as numba's
     parts = [rng.integers(0, 1 << 16, (r, 96), dtype=np.uint16) for r in (5, 400, 1, 170)]
     stacked = cuda.device_array((sum(p.shape[0] for p in parts), 96), np.uint16)
     row = 0
@@ -39,6 +39,7 @@ def test_lanes_upload_bit_for_bit_and_order_before_stream_zero():
         row += p.shape[0]
     big = rng.standard_normal(1 << 20).astype(np.float32)
     dev, queued = up.to_device_later(big)
+    dev = cuda.as_cuda_array(dev)
     queued.result()                      # queued, maybe not done: a stream 0 kernel must still see every value
     out = cuda.device_array_like(dev)
     _plus_one[(big.size + 255) // 256, 256](dev, out)

@@ -1,0 +1,89 @@
+"""Weights on their way to the GPU from a process's first second: the upload lanes started before the kernel
+library is imported.
+
+A GPU process spends close to a second importing numba.cuda, nvmath and cuDNN's frontend and making the CUDA
+context before its first op table exists, and until then no weight moved. `start(component)` runs as soon as the
+checkpoint is open: it takes the CUDA context through the driver itself (cuda_driver, ctypes), allocates every
+weight the component's GPU graph reads (a stack as one allocation, its parts in order) and hands each to the
+process's lanes (cuda_lanes.process_lanes) in the order the first pass reads them, then returns; the copies run
+while the kernel library is imported. CudaOps then `take`s each weight instead of sending it again: the same
+bytes (host_weights.stored_form), the same future (its copies queued, so later stream 0 work reads them).
+
+    start(checkpoint.component("text_encoder"))     # returns at once
+    ...                                              # import the kernel library, make the op tables
+    handed = take(tensors, name)                     # (device buffer, future) or None; once per weight
+"""
+
+import threading
+
+from .cuda_lanes import process_lanes
+from .host_weights import stored_form
+
+_HANDED = {}          # (id(tensors), name or tuple of names) -> (tensors, device buffer, future, bytes)
+_LOCK = threading.Lock()
+
+
+def weight_names(component):
+    """The names (a tuple: one stack) a component's GPU graph reads, in its first pass's order; the tensors
+    the graph reads from the host (the encoder's token embedding table) are not among them."""
+    if component.name == "text_encoder":
+        from ..encoder import Qwen35Encoder
+        return Qwen35Encoder(None, component.tensors, component.config).weight_names()
+    if component.name == "transformer":
+        from ..transformer import MossTransformer
+        return MossTransformer(None, component.tensors, component.config).weight_names()
+    raise ValueError(f"no early load for component {component.name!r}")
+
+
+def start(component, uploader=None):
+    """Allocate and hand over every weight of `component` (see the module docstring); returns the bytes handed.
+    `uploader`: the lanes to use (a test's), else the process's."""
+    up = uploader or process_lanes()
+    tensors = component.tensors
+    handed = 0
+    for name in weight_names(component):
+        key = (id(tensors), name)
+        with _LOCK:
+            if key in _HANDED:
+                continue
+        if isinstance(name, tuple):
+            parts = [stored_form(tensors[n]) for n in name]
+            cols = {p.shape[1] for p in parts}
+            if len(cols) != 1 or any(p.ndim != 2 for p in parts):
+                raise ValueError(f"{name}: a stack needs 2-D parts of one width")
+            out = up.empty((sum(p.shape[0] for p in parts), cols.pop()), parts[0].dtype)
+            row = 0
+            for part in parts:           # the lanes queue one array's pieces in order: the last future stands
+                _, queued = up.to_device_later(part, out=out[row:row + part.shape[0]])
+                row += part.shape[0]
+        else:
+            out, queued = up.to_device_later(stored_form(tensors[name]))
+        with _LOCK:
+            _HANDED[key] = (tensors, out, queued, out.nbytes)
+        handed += out.nbytes
+    return handed
+
+
+def take(tensors, name):
+    """(device buffer, future) of a weight `start` handed over for this tensors mapping, removed from the record;
+    None when it was not handed over."""
+    with _LOCK:
+        entry = _HANDED.pop((id(tensors), name), None)
+    return None if entry is None else entry[1:3]
+
+
+def handed_bytes(tensors):
+    """Device bytes allocated for this tensors mapping's weights not yet taken."""
+    with _LOCK:
+        return sum(entry[3] for key, entry in _HANDED.items() if key[0] == id(tensors))
+
+
+def discard(uploader=None):
+    """Wait for every copy (of `uploader`, else the process's lanes), then drop the weights not taken (their
+    device memory is freed with them)."""
+    with _LOCK:
+        pending = bool(_HANDED)
+    if pending:
+        (uploader or process_lanes()).finish()
+    with _LOCK:
+        _HANDED.clear()
