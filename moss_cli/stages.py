@@ -137,21 +137,35 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise")):
         drv = cuda_driver.Driver(open=False)
     except DeviceError:
         return 0
-    failed = []
-    opening = threading.Thread(target=lambda: _try(drv.open, failed), name="cuda-open")
-    opening.start()                    # cuInit and the context (the GIL released) while numba loads the lane loop
+    import time
     from .ops import cuda_lanes, cuda_preload
+    marks = cuda_preload.MARKS
+    marks.clear()
+    marks["began"] = time.perf_counter()
+    failed = []
+
+    def open_and_prepare():           # the GIL released in the driver's calls: numba loads the lane loop meanwhile
+        drv.open()
+        marks["opened"] = time.perf_counter()
+        if drv.compute_capability >= (8, 0):
+            cuda_driver.driver(opened=drv)
+            cuda_lanes.process_lanes().prepare()      # pinned slots, streams and lane threads
+            marks["lanes_ready"] = time.perf_counter()
+
+    opening = threading.Thread(target=lambda: _try(open_and_prepare, failed), name="cuda-open")
+    opening.start()
     cuda_lanes.warm(drv)
+    marks["warmed"] = time.perf_counter()
     opening.join()
     if failed or drv.compute_capability < (8, 0):
         return 0
     drv.activate()
-    cuda_driver.driver(opened=drv)
     handed = 0
     for stage in stages:
         comp = checkpoint.component(GPU_COMPONENTS[stage])
         _require_gpu_room(comp, 2, drv.memory_info)
         handed += cuda_preload.start(comp)
+        marks[f"handed_{GPU_COMPONENTS[stage]}"] = time.perf_counter()
     return handed
 
 

@@ -160,6 +160,8 @@ def child(model, mode, staging_mb, buffers, threads):
         began = t = time.perf_counter()
         marks["preload_bytes"] = stages.preload_gpu_weights(ckpt, "cuda")
         marks["preload_s"] = time.perf_counter() - t
+        from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from process start
+        marks["preload_steps_s"] = {k: v - STARTED + marks["python_start_s"] for k, v in MARKS.items()}
         if not marks["preload_bytes"] and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
             raise SystemExit("the preload sent nothing to the GPU")
     t = time.perf_counter()
@@ -306,7 +308,9 @@ def describe(r):
         return f"{r['mode']:9s} FAILED: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
     m, u = r["marks"], r["uploader"]
     early = (f"preload {m['preload_bytes'] / 1e9:.2f} GB handed over {m['preload_s']:.2f} s after "
-             f"{m['imports_before_preload_s']:.2f} s of imports, then " if "preload_s" in m else "")
+             f"{m['imports_before_preload_s']:.2f} s of imports ("
+             + ", ".join(f"{k} {v:.2f}" for k, v in m.get("preload_steps_s", {}).items())
+             + " s from process start), then " if "preload_s" in m else "")
     return (f"{r['mode']:8s} ({r['how']}): "
             f"{r['since_process_start_s']:6.2f} s from process start to {r['gb']:.2f} GB on the GPU; upload "
             f"{r['upload_s']:6.2f} s = {r['gb_per_s']:5.1f} GB/s ({early}imports {m['imports_s']:.2f} s, context "

@@ -225,6 +225,10 @@ def run(args):
     if args.device == "cuda" and args.uploader == "lanes":    # as moss-image: before the kernel library's imports
         preload["preload_bytes"] = stages.preload_gpu_weights(checkpoint, "cuda")
         preload["preload_s"] = time.perf_counter() - START - preload["preload_at_s"]
+        from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from this script's start
+        preload["preload_steps_s"] = {k: v - START for k, v in MARKS.items()}
+        print("preload: " + ", ".join(f"{k} {v:.2f}" for k, v in preload["preload_steps_s"].items())
+              + " s after the script's start", flush=True)
     from numba import cuda
     imported = time.perf_counter()
     clock = Clock()

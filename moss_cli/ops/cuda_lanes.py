@@ -253,8 +253,13 @@ class LaneUploader:
         self._threads = None
 
     # --- the lanes ---------------------------------------------------------------------------------------
-    def _start(self):
-        if self.began is None:
+    def prepare(self):
+        """Make the lanes' pinned slots, streams, events and threads now (else on first use)."""
+        with self._lock:
+            self._start(timing=False)
+
+    def _start(self, timing=True):
+        if self.began is None and timing:
             self.began = time.perf_counter()
         if self._threads is not None:
             return

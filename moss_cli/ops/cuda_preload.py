@@ -16,10 +16,14 @@ bytes (host_weights.stored_form), the same future (its copies queued, so later s
 
 import threading
 
-from .cuda_lanes import process_lanes
+import numpy as np
+
+from .cuda_driver import DeviceBuffer
+from .cuda_lanes import ALIGN, process_lanes
 from .host_weights import stored_form
 
 _HANDED = {}          # (id(tensors), name or tuple of names) -> (tensors, device buffer, future, bytes)
+MARKS = {}            # the last preload's time.perf_counter() marks (stages.preload_gpu_weights writes them)
 _LOCK = threading.Lock()
 
 
@@ -37,31 +41,50 @@ def weight_names(component):
 
 def start(component, uploader=None):
     """Allocate and hand over every weight of `component` (see the module docstring); returns the bytes handed.
-    `uploader`: the lanes to use (a test's), else the process's."""
+    `uploader`: the lanes to use (a test's), else the process's. The weights share one device allocation
+    (each at an ALIGN boundary), so the hand-over makes one driver allocation, not one a weight."""
     up = uploader or process_lanes()
     tensors = component.tensors
-    handed = 0
+    plan, total = [], 0
     for name in weight_names(component):
-        key = (id(tensors), name)
         with _LOCK:
-            if key in _HANDED:
+            if (id(tensors), name) in _HANDED:
                 continue
         if isinstance(name, tuple):
             parts = [stored_form(tensors[n]) for n in name]
-            cols = {p.shape[1] for p in parts}
-            if len(cols) != 1 or any(p.ndim != 2 for p in parts):
+            cols = {p.shape[1] if p.ndim == 2 else None for p in parts}
+            if len(cols) != 1 or None in cols:
                 raise ValueError(f"{name}: a stack needs 2-D parts of one width")
-            out = up.empty((sum(p.shape[0] for p in parts), cols.pop()), parts[0].dtype)
-            row = 0
-            for part in parts:           # the lanes queue one array's pieces in order: the last future stands
-                _, queued = up.to_device_later(part, out=out[row:row + part.shape[0]])
-                row += part.shape[0]
+            shape, dtype = (sum(p.shape[0] for p in parts), cols.pop()), parts[0].dtype
         else:
-            out, queued = up.to_device_later(stored_form(tensors[name]))
+            parts = [stored_form(tensors[name])]
+            shape, dtype = parts[0].shape, parts[0].dtype
+        plan.append((name, parts, shape, dtype, total))
+        total += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    if not plan:
+        return 0
+    arena = up.empty((total,), np.uint8)
+    handed = 0
+    for name, parts, shape, dtype, offset in plan:
+        out = _view(arena, offset, shape, dtype)
+        row = 0
+        for part in parts:               # the lanes queue one array's pieces in order: the last future stands
+            rows = part.shape[0] if part.ndim else 1
+            _, queued = up.to_device_later(part, out=out[row:row + rows] if len(parts) > 1 else out)
+            row += rows
         with _LOCK:
-            _HANDED[key] = (tensors, out, queued, out.nbytes)
+            _HANDED[(id(tensors), name)] = (tensors, out, queued, out.nbytes)
         handed += out.nbytes
     return handed
+
+
+def _view(arena, offset, shape, dtype):
+    """An array of `shape` and `dtype` at `offset` bytes into the arena: a cuda_driver.DeviceBuffer that keeps the
+    arena alive, or (a test's fake driver) a numpy view."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if isinstance(arena, np.ndarray):
+        return arena[offset:offset + nbytes].view(dtype).reshape(shape)
+    return DeviceBuffer(shape, dtype, arena.ptr + offset, owner=arena)
 
 
 def take(tensors, name):
