@@ -23,7 +23,7 @@ from moss_cli.ops import cuda_upload
 from moss_cli.ops.cuda_lanes import LaneUploader
 from moss_cli.ops.cuda_table import CudaOps
 from sim_util import cuda_ops_expected, cuda_ops_weights
-from test_cuda_lanes import FakeDriver
+from fake_driver import FakeDriver
 
 
 class SimDriver(FakeDriver):
