@@ -11,8 +11,10 @@
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
-# cache, picture_cold.json; PICTURE_AB="lanes feeder" then processes with each uploader in turn, PICTURE_AB_ROUNDS
-# rounds (default 2), picture_ab-UPLOADER-ROUND.json), tables (BENCHMARKS.md's
+# cache, picture_cold.json; PICTURE_AB="lanes lanes-late feeder" then processes with each uploader in turn, PICTURE_AB_ROUNDS
+# rounds (default 2), picture_ab-UPLOADER-ROUND.json), image (`moss-image --device cuda` on that folder at its
+# defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
+# fresh machine compiles every kernel), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -88,13 +90,23 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
           fi
           if [ "$step" = load ]; then
             $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"
+          elif [ "$step" = image ]; then     # the command itself, timed from its start to its exit
+            for run in 1 2 3; do
+              began=$(date +%s.%N)
+              $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
+                --model "$model" --prompt "a red fox in the snow, morning light, detailed fur" --seed "$run" \
+                --picture "$OUT/image-$run.png" --device cuda --quiet 2>&1 | tee -a "$OUT/image.txt"
+              ended=$(date +%s.%N)
+              python3 -c "import sys; print(f'moss-image --device cuda, 1024x1024, 50 steps, guidance 3, run $run: {float(sys.argv[2]) - float(sys.argv[1]):.2f} s from the command to its exit')" \
+                "$began" "$ended" | tee -a "$OUT/image.txt"
+            done
           else
             $limit python3 scripts/gpu_picture.py "$model" --out "$OUT/picture.json" ${PICTURE_ARGS:-} 2>&1 | tee "$OUT/picture.txt"
             # a second process: its kernels come from the on-disk cache the first one filled
