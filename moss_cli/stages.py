@@ -104,7 +104,7 @@ def _require_gpu_room(comp, matrix_bytes, memory=None):
     (numba's by default)."""
     host = HOST_TENSORS.get(comp.name, ())
     need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for k, a in comp.tensors.items() if k not in host)
-    if matrix_bytes == 2 and need:
+    if need:
         from .ops.cuda_preload import handed_bytes
         need = max(0, need - handed_bytes(comp.tensors))
     if not need:
@@ -147,17 +147,18 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise")):
     def open_and_prepare():           # the GIL released in the driver's calls: numba loads the lane loop meanwhile
         drv.open()
         marks["opened"] = time.perf_counter()
-        if drv.compute_capability >= (8, 0):
-            cuda_driver.driver(opened=drv)
-            cuda_lanes.process_lanes().prepare()      # pinned slots, streams and lane threads
-            marks["lanes_ready"] = time.perf_counter()
+        if drv.compute_capability < (8, 0):
+            raise DeviceError("bf16 needs compute capability 8.0 or newer")
+        cuda_driver.driver(opened=drv)
+        cuda_lanes.process_lanes().prepare()          # pinned slots, streams and lane threads
+        marks["lanes_ready"] = time.perf_counter()
 
     opening = threading.Thread(target=lambda: _try(open_and_prepare, failed), name="cuda-open")
     opening.start()
     cuda_lanes.warm(drv)
     marks["warmed"] = time.perf_counter()
     opening.join()
-    if failed or drv.compute_capability < (8, 0):
+    if failed:
         return 0
     drv.activate()
     handed = 0

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from moss_cli import stages                              # noqa: E402
 from moss_cli.checkpoint import open_checkpoint          # noqa: E402
 from moss_cli.errors import DeviceError                  # noqa: E402
-from moss_cli.ops import cuda_driver, cuda_preload       # noqa: E402
+from moss_cli.ops import cuda_driver, cuda_preload, host_weights       # noqa: E402
 from moss_cli.ops.cuda_lanes import LaneUploader         # noqa: E402
 from fake_driver import FakeDriver                       # noqa: E402
 
@@ -94,6 +94,7 @@ def test_control_a_truncating_bf16_conversion_is_caught(monkeypatch):
             return (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
         return np.asarray(a, np.float32)
     monkeypatch.setattr(cuda_preload, "stored_form", truncated)
+    monkeypatch.setattr(host_weights, "stored_form", truncated)      # the stacks' parts
     names, wrong, _ = handed_and_wrong("transformer")
     matrices = [n for n in names if isinstance(n, tuple) or np.ndim(component("transformer", True).tensors[n]) == 2]
     assert set(matrices) <= set(wrong)

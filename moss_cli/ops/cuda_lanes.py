@@ -144,7 +144,13 @@ class LaneUploader:
 
     # --- the API (as cuda_upload.Uploader's) ---------------------------------------------------------
     def to_device(self, host, out=None, wait=False):
-        """to_device_later, then wait for its future (and with `wait`, for every copy: finish)."""
+        """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits),
+        returned once its copies are queued (after every array handed over before it). cuda_upload.Uploader
+        takes this method too.
+
+        `out`: a C-contiguous device array of the same number of bytes to copy into (a row slice of a
+        stacked weight, say); returned. `wait`: return only after the copy has finished (`finish`).
+        """
         out, queued = self.to_device_later(host, out)
         queued.result()
         if wait:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .cuda_driver import DeviceBuffer
 from .cuda_lanes import ALIGN, process_lanes
-from .host_weights import stored_form
+from .host_weights import stack_forms, stored_form
 
 _HANDED = {}          # (id(tensors), name or tuple of names) -> (tensors, device buffer, future, bytes)
 MARKS = {}            # the last preload's time.perf_counter() marks (stages.preload_gpu_weights writes them)
@@ -51,11 +51,8 @@ def start(component, uploader=None):
             if (id(tensors), name) in _HANDED:
                 continue
         if isinstance(name, tuple):
-            parts = [stored_form(tensors[n]) for n in name]
-            cols = {p.shape[1] if p.ndim == 2 else None for p in parts}
-            if len(cols) != 1 or None in cols:
-                raise ValueError(f"{name}: a stack needs 2-D parts of one width")
-            shape, dtype = (sum(p.shape[0] for p in parts), cols.pop()), parts[0].dtype
+            parts = stack_forms([tensors[n] for n in name], name)
+            shape, dtype = (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].dtype
         else:
             parts = [stored_form(tensors[name])]
             shape, dtype = parts[0].shape, parts[0].dtype
@@ -67,11 +64,13 @@ def start(component, uploader=None):
     handed = 0
     for name, parts, shape, dtype, offset in plan:
         out = _view(arena, offset, shape, dtype)
-        row = 0
-        for part in parts:               # the lanes queue one array's pieces in order: the last future stands
-            rows = part.shape[0] if part.ndim else 1
-            _, queued = up.to_device_later(part, out=out[row:row + rows] if len(parts) > 1 else out)
-            row += rows
+        if len(parts) == 1:
+            _, queued = up.to_device_later(parts[0], out=out)
+        else:
+            row = 0
+            for part in parts:           # the lanes queue one array's pieces in order: the last future stands
+                _, queued = up.to_device_later(part, out=out[row:row + part.shape[0]])
+                row += part.shape[0]
         with _LOCK:
             _HANDED[(id(tensors), name)] = (tensors, out, queued, out.nbytes)
         handed += out.nbytes

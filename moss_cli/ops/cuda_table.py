@@ -32,7 +32,7 @@ from .cuda_dit import DitCudaOps
 from .cuda_gdn import GdnCudaOps
 from .cuda_driver import DeviceBuffer
 from .cuda_pool import Pool
-from .host_weights import is_bf16 as _is_bf16, stored_form
+from .host_weights import is_bf16 as _is_bf16, stack_forms, stored_form
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -209,9 +209,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         if handed is not None:
             weight, self._landing[key] = _numba_array(handed[0]), handed[1]
         elif all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
-            bits = [stored_form(v) for v in values]
-            if any(b.ndim != 2 for b in bits):
-                raise ValueError(f"{names}: a stack needs 2-D parts")
+            bits = stack_forms(values, names)
             from .cuda_upload import uploader    # each part straight into its rows, no host concatenation
             weight = cuda.device_array((sum(sizes), bits[0].shape[1]), np.uint16)
             row = 0

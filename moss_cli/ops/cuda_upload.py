@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import config, cuda
 
+from .cuda_lanes import LaneUploader
 from .host_weights import host_bytes
 
 STAGING_BYTES = 128 << 20   # one pinned staging buffer
@@ -80,18 +81,7 @@ class Uploader:
         self.reset_stats()
 
     # --- the API -------------------------------------------------------------------------------
-    def to_device(self, host, out=None, wait=False):
-        """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits),
-        returned once its copies are queued (after every array handed over before it).
-
-        `out`: a C-contiguous device array of the same number of bytes to copy into (a row slice of a
-        stacked weight, say); returned. `wait`: return only after the copy has finished (`finish`).
-        """
-        out, queued = self.to_device_later(host, out)
-        queued.result()
-        if wait:
-            self.finish()
-        return out
+    to_device = LaneUploader.to_device      # to_device_later, then wait for its future (the lanes' API too)
 
     def to_device_later(self, host, out=None):
         """(device array, future) at once: the feeder thread fills the staging buffers from `host` and queues

@@ -23,6 +23,14 @@ def stored_form(value):
     return np.asarray(host, dtype=np.float32)
 
 
+def stack_forms(values, names):
+    """The stored forms of a stack's parts (2-D, one width: their rows are stacked into one bf16 matrix)."""
+    parts = [stored_form(v) for v in values]
+    if any(p.ndim != 2 for p in parts) or len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"{names}: a stack needs 2-D parts of one width")
+    return parts
+
+
 def host_bytes(host, out=None):
     """`host` as the C-contiguous array whose bytes are sent (bf16 as its uint16 bits), checked against `out`:
     None, or a C-contiguous device array (or a test's numpy stand-in) of as many bytes."""
