@@ -214,6 +214,10 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
     for picture in pictures:
         groups.setdefault(picture.prompt.text, []).append(picture)
     order = [picture for group in groups.values() for picture in group]     # as the loop below makes them
+    encoder = model_for("encode")
+    # a memory plan that does not keep everything resident: the encoder's phase first (every prompt encoded),
+    # then its GPU memory freed for the DiT's (the same ENC bytes, made in the same order)
+    phased = encoder.device == "cuda" and encoder.plan is not None and not encoder.plan.resident
     if order:         # the first picture's noise is drawn while the weights load and the first prompt encodes
         model = model_for("denoise")
         model.draw_noise_ahead(stages.noise_shape(model, options), order[0].seed, options.noise)
@@ -221,17 +225,24 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
         # go to the GPU on the uploader's thread while the encoder's first pass runs (CudaOps.preload), and the
         # decoder's weight splits run on a host thread (CudaDecoder)
         for stage, part in (("encode", "encoder"), ("denoise", "transformer"), ("decode", "decoder")):
-            if model_for(stage).device == "cuda":
+            if model_for(stage).device == "cuda" and not (phased and stage != "encode"):
                 getattr(model_for(stage), part)
     negative_cache = {}
-    number = 0
-    for text, group in groups.items():
-        enc_bytes = stages.encode(model_for("encode"), text, negative if options.cfg else None,
-                                  negative_cache=negative_cache)
+
+    def encoded(text, group):
+        enc_bytes = stages.encode(encoder, text, negative if options.cfg else None, negative_cache=negative_cache)
         if keep is not None:
             for picture in {picture.prompt.index: picture for picture in group}.values():
                 artifacts.write(Path(keep) / keep_names(picture, several)[0], enc_bytes)
-        enc = artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
+        return artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
+
+    encs = {}
+    if phased:
+        encs = {text: encoded(text, group) for text, group in groups.items()}
+        encoder.release_encoder()
+    number = 0
+    for text, group in groups.items():
+        enc = encs.pop(text) if phased else encoded(text, group)
         for picture in group:
             number += 1
             if several:

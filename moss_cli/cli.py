@@ -8,7 +8,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import MossError, UsageError
+from .errors import MossError, UsageError, out_of_memory
 from .progress import Progress
 
 
@@ -33,18 +33,68 @@ def _run(command, prog):
     except BrokenPipeError:
         sys.exit(1)
     except Exception as e:  # a bug: still one line, the traceback only on request
+        oom = out_of_memory(e, _gpu_memory_now)
+        if oom is not None:
+            click.echo(f"{prog}: error: {oom}", err=True)
+            sys.exit(1)
         if os.environ.get("MOSS_DEBUG"):
             raise
         click.echo(f"{prog}: internal error: {type(e).__name__}: {e} (set MOSS_DEBUG=1 for a traceback)", err=True)
         sys.exit(3)
 
 
-def _open(model_dir, device, stage, progress):
+def _gpu_memory_now():
+    """(free, total) bytes of the GPU where this process has a CUDA context, for an out-of-memory line."""
+    if "numba.cuda" not in sys.modules:
+        raise RuntimeError("no CUDA context")
+    return stages._gpu_memory()
+
+
+def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None):
+    """The stage's Model on its device, with its GPU memory plan; `size` (width, height), or a function of the
+    checkpoint giving it (the decoder's comes from its LAT)."""
     from .checkpoint import open_checkpoint
     chosen = resolve(device, stage)
     checkpoint = open_checkpoint(model_dir)
+    if callable(size):
+        size = size(checkpoint)
+    plan = _memory_plan(checkpoint, chosen, (stage,), gpu_memory, size, show_plan, progress)
+    if stage == "denoise":
+        _warn_cpu_dit(checkpoint, device, chosen, progress)
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {chosen}")
-    return stages.Model(checkpoint, device=chosen, progress=progress)
+    return stages.Model(checkpoint, device=chosen, progress=progress, plan=plan)
+
+
+def _warn_cpu_dit(checkpoint, device, chosen, progress):
+    """--device auto that chose the CPU for a real-size DiT says why the GPU could not take it (hours on the CPU)."""
+    from .device import gpu_status
+    from .ops.memory_plan import component_weights
+    if device != "auto" or chosen != "cpu" or component_weights(checkpoint.component("transformer")).total < 1e9:
+        return
+    progress.warn(f"the DiT runs on the CPU in float32 (hours at this size): {gpu_status()[1]}")
+
+
+def _size(width, height):
+    """(width, height) of the picture: the options', else the checkpoint's defaults."""
+    def of(checkpoint):
+        d = stages.sampling_defaults(checkpoint)
+        return (d["width"] if width is None else width, d["height"] if height is None else height)
+    return of
+
+
+def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, progress, memory=None):
+    """The GPU memory plan of a process running these stages (None on the CPU); with --plan printed on stdout,
+    then the command exits. On the CPU --plan shows the plan a --gpu-memory budget would get."""
+    if show_plan:
+        plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size,
+                                  memory=memory if chosen == "cuda" else False)
+        click.echo(plan.line())
+        raise click.exceptions.Exit(0)
+    if chosen != "cuda":
+        return None
+    plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size, memory=memory)
+    progress.note(plan.line())
+    return plan
 
 
 def _given(name):
@@ -97,6 +147,16 @@ model_option = click.option("--model", "model_dir", type=click.Path(path_type=Pa
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr.")
+
+
+def memory_options(f):
+    """--gpu-memory and --plan (ops.memory_plan)."""
+    f = click.option("--plan", "show_plan", is_flag=True,
+                     help="Print the GPU memory plan (what stays on the GPU, what streams) and exit without "
+                          "loading.")(f)
+    return click.option("--gpu-memory", default=None, metavar="GB",
+                        help="GPU memory budget in GB [the GPU's free memory; $MOSS_GPU_MEMORY]. Weights that do "
+                             "not fit stream from host memory; the output is the same.")(f)
 version_option = click.version_option(__version__, message="%(prog)s (moss-cli) %(version)s")
 
 
@@ -134,15 +194,16 @@ def sampling_options(f, seed=None):
 @click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
 @click.option("--no-negative", is_flag=True, help="Encode no negative (only for --guidance 1).")
 @device_option
+@memory_options
 @click.option("--out", required=True, help="ENC file, or - for stdout.")
 @quiet_option
 @version_option
-def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
+def _encode(model_dir, prompt, negative, no_negative, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
         raise UsageError("--negative and --no-negative conflict: give one of them")
     artifacts.check_writable(out)
-    model = _open(model_dir, device, "encode", progress)
+    model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None))
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
     _wrote(progress, out, "ENC")
 
@@ -153,16 +214,17 @@ def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
 @sampling_options
 @click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
 @device_option
+@memory_options
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
 @version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
-             noise, trace, device, out, quiet):
+             noise, trace, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-denoise")
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
-    model = _open(model_dir, device, "denoise", progress)
+    model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height))
     opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
     progress.start_clock()
@@ -180,14 +242,22 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @model_option
 @click.argument("lat")
 @device_option
+@memory_options
 @click.option("--out", required=True, help="PNG file, or - for stdout.")
 @quiet_option
 @version_option
-def _decode(model_dir, lat, device, out, quiet):
+def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-decode")
     artifacts.check_writable(out, suffix=".png")
-    model = _open(model_dir, device, "decode", progress)
-    lat_artifact = artifacts.read(lat, "denoise", model.fingerprint)
+    read = {}
+
+    def size(checkpoint):        # the picture's size from its latents: the LAT is read once, before the plan
+        read["lat"] = artifacts.read(lat, "denoise", checkpoint.fingerprint)
+        x = read["lat"].tensors.get("latents")
+        shape = x.shape if x is not None and x.ndim == 4 else (1, 1, 64, 64)
+        return (shape[3] * stages.PATCH, shape[2] * stages.PATCH)
+    model = _open(model_dir, device, "decode", progress, gpu_memory, show_plan, size)
+    lat_artifact = read["lat"]
     _foreign(progress, lat_artifact)
     artifacts.write(out, stages.decode(model, lat_artifact))
     _wrote(progress, out, "PNG")
@@ -205,27 +275,41 @@ def _decode(model_dir, lat, device, out, quiet):
 @click.option("--picture", required=True, help=batch.PICTURE_HELP)
 @click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
 @device_option
+@memory_options
 @quiet_option
 @version_option
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
-           skip_start, skip_stop, noise, picture, keep, device, quiet):
+           skip_start, skip_stop, noise, picture, keep, device, gpu_memory, show_plan, quiet):
     progress = Progress(quiet, "moss-image")
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     from .checkpoint import open_checkpoint
     checkpoint = open_checkpoint(model_dir)
+    size = _size(width, height)(checkpoint)
+    gpu_stages = ("encode", "denoise", "decode")
+    if show_plan:
+        _memory_plan(checkpoint, resolve(device, "denoise"), gpu_stages, gpu_memory, size, True, progress)
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
-    preloaded = stages.preload_gpu_weights(checkpoint, device)
+    # (as much of them as the memory plan, made once the driver answers, keeps there from the start)
+    preloaded, plan = stages.preload_gpu_weights(
+        checkpoint, device, planner=lambda memory: stages.memory_plan(checkpoint, gpu_stages, gpu_memory, size, memory))
+    if plan is not None:
+        progress.note(plan.line())
     models = {}
 
     def model_for(stage):
+        nonlocal plan
         chosen = resolve(device, stage)
+        if chosen == "cuda" and plan is None:
+            plan = _memory_plan(checkpoint, chosen, gpu_stages, gpu_memory, size, False, progress)
         if chosen not in models:
-            models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress)
+            models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress,
+                                          plan=plan if chosen == "cuda" else None)
         return models[chosen]
 
     chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+    _warn_cpu_dit(checkpoint, device, chosen["denoise"], progress)
     if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
         from .ops.cuda_preload import discard
         discard()

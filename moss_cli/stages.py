@@ -118,25 +118,39 @@ def _require_gpu_room(comp, matrix_bytes, memory=None):
 
 
 GPU_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer"}   # stages whose weights preload sends
+PLAN_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
 
 
-def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise")):
+def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT_SIZE), memory=None):
+    """The GPU memory plan (ops.memory_plan) for running `stages` in this process at this picture size, from the
+    budget `gpu_memory` (GB, or $MOSS_GPU_MEMORY) within the GPU's free memory. `memory`: () -> (free, total)
+    bytes, numba's by default; None for it with no GPU but a given budget (a plan printed on any machine)."""
+    from .ops import memory_plan as mp
+    weights = {PLAN_COMPONENTS[s]: mp.component_weights(checkpoint.component(PLAN_COMPONENTS[s])) for s in stages}
+    free = None if memory is False else (memory or _gpu_memory)()[0]
+    budget, source = mp.budget_bytes(gpu_memory, free)
+    return mp.make(weights, stages, budget, source, size[0], size[1])
+
+
+def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planner=None):
     """Start sending the weights of these stages' components to the GPU now, before the kernel library is
     imported (cuda_preload: the CUDA driver through ctypes, the upload lanes), and return at once; the
     components made later take them. Nothing happens on the CPU or the simulator, where the GPU extra is
     missing, or where no usable GPU answers (the stages then say why when they resolve their device).
-    Returns the bytes handed over."""
+    `planner`: (free, total) memory function -> the memory plan, made once the driver answers: the components
+    it does not keep resident from the start (a released or streamed plan sends only the encoder, without its
+    streamed layers) are left for later. Returns (bytes handed over, the plan or None)."""
     if device == "cpu" or os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
-        return 0
+        return 0, None
     import importlib.util
     if any(importlib.util.find_spec(m) is None for m in ("numba", "nvmath")):
-        return 0
+        return 0, None
     import threading
     from .ops import cuda_driver
     try:
         drv = cuda_driver.Driver(open=False)
     except DeviceError:
-        return 0
+        return 0, None
     import time
     from .ops import cuda_lanes, cuda_preload
     marks = cuda_preload.MARKS
@@ -159,15 +173,19 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise")):
     marks["warmed"] = time.perf_counter()
     opening.join()
     if failed:
-        return 0
+        return 0, None
     drv.activate()
+    plan = planner(drv.memory_info) if planner is not None else None
+    if plan is not None and not plan.resident:
+        stages = [s for s in stages if s == "encode"]
     handed = 0
     for stage in stages:
         comp = checkpoint.component(GPU_COMPONENTS[stage])
-        _require_gpu_room(comp, 2, drv.memory_info)
-        handed += cuda_preload.start(comp)
+        if plan is None:
+            _require_gpu_room(comp, 2, drv.memory_info)
+        handed += cuda_preload.start(comp, streamed=plan.layers(comp.name) if plan else ())
         marks[f"handed_{GPU_COMPONENTS[stage]}"] = time.perf_counter()
-    return handed
+    return handed, plan
 
 
 def _try(call, failed):
@@ -180,10 +198,11 @@ def _try(call, failed):
 class Model:
     """One checkpoint with its graphs built lazily and kept: every component is loaded once."""
 
-    def __init__(self, checkpoint, device="cpu", progress=None):
+    def __init__(self, checkpoint, device="cpu", progress=None, plan=None):
         self.checkpoint = checkpoint
         self.device = device
         self.progress = progress or Silent()
+        self.plan = plan          # the GPU memory plan (ops.memory_plan); None: every component resident
         self.ops = numpy_ops(np.float32)
         self._ahead = None        # ((shape, seed, kernel), the future of its noise) from draw_noise_ahead
         self._noise_thread = None
@@ -224,9 +243,9 @@ class Model:
         comp = self.checkpoint.component("text_encoder")
         self.progress.note(f"loading text encoder ({self.device})")
         if self.device == "cuda":
-            _require_gpu_room(comp, 2)
+            streamed = self._streamed(comp)
             from .ops.cuda_table import cuda_encoder
-            return cuda_encoder(comp)
+            return cuda_encoder(comp, streamed=streamed)
         return encoder.Qwen35Encoder(self.ops, comp.tensors, encoder.text_config(comp.config))
 
     @cached_property
@@ -235,12 +254,31 @@ class Model:
         comp = self.checkpoint.component("transformer")
         self.progress.note(f"loading transformer ({self.device})")
         if self.device == "cuda":
-            _require_gpu_room(comp, 2)
+            streamed = self._streamed(comp)
             from .ops.cuda_denoiser import CudaDenoiser
-            dit = CudaDenoiser(comp.tensors, comp.config)
+            dit = CudaDenoiser(comp.tensors, comp.config, streamed=streamed)
             dit.upload()
             return dit
         return MossTransformer(self.ops, comp.tensors, comp.config)
+
+    def _streamed(self, comp):
+        """The layers of comp the plan streams (no plan: the room checked, everything resident)."""
+        if self.plan is None:
+            _require_gpu_room(comp, 2)
+            return ()
+        layers = self.plan.layers(comp.name)
+        if layers:
+            self.progress.note(f"{comp.name}: {len(layers)} layers streamed from pinned host memory")
+        return layers
+
+    def release_encoder(self):
+        """Free the GPU encoder's weights, graphs and window (a plan that is not all resident, once every prompt is
+        encoded); its pool blocks stay in the shared pool for the DiT and the decoder."""
+        encoder = self.__dict__.pop("encoder", None)
+        if encoder is None or self.device != "cuda":
+            return
+        from .ops.cuda_table import release
+        release(encoder)
 
     @cached_property
     def decoder(self):
@@ -248,7 +286,8 @@ class Model:
         comp = self.checkpoint.component("vae")
         self.progress.note(f"loading VAE decoder ({self.device})")
         if self.device == "cuda":
-            _require_gpu_room(comp, 4)
+            if self.plan is None:
+                _require_gpu_room(comp, 4)
             from .ops.cuda_decoder import CudaDecoder
             return CudaDecoder(comp.tensors, comp.config)
         return Decoder(self.ops, comp.tensors, comp.config)

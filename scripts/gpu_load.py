@@ -158,7 +158,7 @@ def child(model, mode, staging_mb, buffers, threads):
         ckpt = open_checkpoint(model)
         marks["open_checkpoint_s"] = time.perf_counter() - t
         began = t = time.perf_counter()
-        marks["preload_bytes"] = stages.preload_gpu_weights(ckpt, "cuda")
+        marks["preload_bytes"] = stages.preload_gpu_weights(ckpt, "cuda")[0]
         marks["preload_s"] = time.perf_counter() - t
         from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from process start
         marks["preload_steps_s"] = {k: v - STARTED + marks["python_start_s"] for k, v in MARKS.items()}

@@ -223,7 +223,7 @@ def run(args):
     checkpoint = open_checkpoint(args.model)
     preload = {"preload_at_s": time.perf_counter() - START}
     if args.device == "cuda" and args.uploader == "lanes":    # as moss-image: before the kernel library's imports
-        preload["preload_bytes"] = stages.preload_gpu_weights(checkpoint, "cuda")
+        preload["preload_bytes"] = stages.preload_gpu_weights(checkpoint, "cuda")[0]
         preload["preload_s"] = time.perf_counter() - START - preload["preload_at_s"]
         from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from this script's start
         preload["preload_steps_s"] = {k: v - START for k, v in MARKS.items()}

@@ -140,12 +140,12 @@ def test_the_room_check_counts_the_handed_weights_as_on_the_gpu(monkeypatch):
 
 def test_without_a_gpu_the_preload_does_nothing():
     checkpoint = open_checkpoint()
-    assert stages.preload_gpu_weights(checkpoint, "cpu") == 0
+    assert stages.preload_gpu_weights(checkpoint, "cpu") == (0, None)
     try:
         cuda_driver.Driver(open=True)
     except Exception:
-        assert stages.preload_gpu_weights(checkpoint, "cuda") == 0
-        assert stages.preload_gpu_weights(checkpoint, "auto") == 0
+        assert stages.preload_gpu_weights(checkpoint, "cuda") == (0, None)
+        assert stages.preload_gpu_weights(checkpoint, "auto") == (0, None)
     else:
         pytest.skip("a GPU answers here")
 

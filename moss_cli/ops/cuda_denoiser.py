@@ -20,7 +20,7 @@ from cuda_kernels import dit
 
 from ..schedule import timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
-from .cuda_table import CudaOps, numba_stream, planned_capture
+from .cuda_table import CudaOps, make_window, numba_stream, planned_capture
 
 
 def _owned(text):
@@ -33,9 +33,11 @@ def _owned(text):
 class CudaDenoiser:
     """MossTransformer on the CUDA op table with a graph-per-step sampler (`sample`)."""
 
-    def __init__(self, tensors, config):
+    def __init__(self, tensors, config, streamed=()):
         self.ops = CudaOps()
         self.model = MossTransformer(self.ops, tensors, config)
+        if streamed:        # the memory plan's streamed blocks: read from pinned host memory (cuda_window)
+            self.ops.window = make_window(tensors, self.model.weight_names(), streamed)
         self.num_layers = self.model.num_layers
         self.config = self.model.config
         self._graphs = {}

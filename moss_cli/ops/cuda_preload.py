@@ -21,6 +21,7 @@ import numpy as np
 from .cuda_driver import DeviceBuffer
 from .cuda_lanes import ALIGN, process_lanes
 from .host_weights import stack_forms, stored_form
+from .memory_plan import streamed_name
 
 _HANDED = {}          # (id(tensors), name or tuple of names) -> (tensors, device buffer, future, bytes)
 MARKS = {}            # the last preload's time.perf_counter() marks (stages.preload_gpu_weights writes them)
@@ -39,14 +40,17 @@ def weight_names(component):
     raise ValueError(f"no early load for component {component.name!r}")
 
 
-def start(component, uploader=None):
+def start(component, uploader=None, streamed=()):
     """Allocate and hand over every weight of `component` (see the module docstring); returns the bytes handed.
     `uploader`: the lanes to use (a test's), else the process's. The weights share one device allocation
-    (each at an ALIGN boundary), so the hand-over makes one driver allocation, not one a weight."""
+    (each at an ALIGN boundary), so the hand-over makes one driver allocation, not one a weight. `streamed`: the
+    layers the memory plan streams, whose matrices stay on the host (cuda_window)."""
     up = uploader or process_lanes()
     tensors = component.tensors
     plan, total = [], 0
     for name in weight_names(component):
+        if streamed and streamed_name(name, tensors, streamed):
+            continue
         with _LOCK:
             if (id(tensors), name) in _HANDED:
                 continue

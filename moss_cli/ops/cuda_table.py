@@ -120,6 +120,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
         self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
         self._pending = {}             # id(weight) -> the event its prefetch records on the side stream
+        self.window = None             # cuda_window.Window of the layers the memory plan streams, if any
 
     # --- memory -------------------------------------------------------------------------------
     @property
@@ -150,6 +151,8 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         thread and return at once; each op that reads one later waits only until its own copies are queued,
         so a first pass computes while the weights after its current one are still being read from disk."""
         for name in names:
+            if self.window is not None and name in self.window.layout:
+                continue                 # streamed: read from the host through the window
             if isinstance(name, tuple):
                 self.params(tensors, name, later=True)
             else:
@@ -168,6 +171,10 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
     def param(self, tensors, name, later=False):
         """A weight on the device, uploaded once: 2-D matrices as bf16 bits, everything else float32.
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
+        if self.window is not None:
+            streamed = self.window.view(tensors, name, self)
+            if streamed is not None:
+                return streamed[0]
         key = (id(tensors), name)
         return self._held(key, lambda: self._upload_param(tensors, name, key), later)
 
@@ -198,6 +205,10 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """2-D weights stacked into one bf16 matrix [sum of rows, in] on the device, built once.
         `later`: handed to the uploader's feeder without waiting (`preload`)."""
         names = tuple(names)
+        if self.window is not None:
+            streamed = self.window.view(tensors, names, self)
+            if streamed is not None:
+                return Stacked(*streamed)
         key = (id(tensors), names)
         return self._held(key, lambda: self._upload_stack(tensors, names, key), later)
 
@@ -706,24 +717,28 @@ def planned_capture(ops, eager, run):
     """capture(ops, run) after eager(), the same ops run once eagerly (compiling the kernels, planning the
     products): the pool records the eager pass's requests, lets go of the blocks it made, and lends the
     capture's requests the blocks it planned for them (cuda_pool)."""
-    pool = ops.pool
+    pool, window = ops.pool, ops.window
     pool.record()
+    if window is not None:
+        window.begin(ops)          # each streamed layer copied when asked; the order kept for the capture
     try:
         eager()
         cuda.synchronize()
     finally:
         planned = pool.plan()
+        uses = window.finish() if window is not None else None
     cuda.current_context().deallocations.clear()     # the blocks let go, freed now rather than at numba's leisure
     pool.script(planned)
     try:
-        return capture(ops, run)
+        return capture(ops, run, uses)
     finally:
         pool.script(None)
 
 
-def capture(ops, run):
+def capture(ops, run, uses=None):
     """(graph, stream, what run() returned): the ops run() launches on `ops`, captured as one CUDA graph
-    (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept."""
+    (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept. `uses`:
+    the streamed layers' order (planned_capture's eager pass), their copies then prefetched inside the graph."""
     from cuda.core import Device, StreamOptions
 
     dev = Device()
@@ -735,7 +750,11 @@ def capture(ops, run):
         builder.begin_building("relaxed")
         ops.stream, ops.capturing = builder, True
         try:
+            if ops.window is not None:
+                ops.window.begin(ops, uses if uses is not None else [])
             out = run()
+            if ops.window is not None:
+                ops.window.finish()        # every copy on the side branch waited for before the capture ends
             ops.join_prefetches()          # a side branch must rejoin before the capture ends
         finally:
             ops.stream, ops.capturing = 0, False
@@ -743,11 +762,29 @@ def capture(ops, run):
     return builder.complete(), stream, out
 
 
-def cuda_encoder(component, graphs=True):
-    """The GPU encoder for a text-encoder component (weights uploaded now)."""
+def cuda_encoder(component, graphs=True, streamed=()):
+    """The GPU encoder for a text-encoder component (weights uploaded now); `streamed`: the layers the memory plan
+    keeps on the host (cuda_window)."""
     enc = CudaEncoder(component.tensors, component.config, graphs=graphs)
+    if streamed:
+        enc.ops.window = make_window(component.tensors, enc.model.weight_names(), streamed)
     enc.upload()
     return enc
+
+
+def make_window(tensors, names, layers):
+    from .cuda_window import Window
+    return Window(tensors, names, layers)
+
+
+def release(runner):
+    """Let go of a GPU runner's device memory (CudaEncoder, CudaDenoiser): its weights, its graphs and its
+    window are freed once nothing refers to them; the pool's blocks stay in the shared pool."""
+    runner.__dict__.clear()
+    import gc
+    gc.collect()
+    cuda.synchronize()
+    cuda.current_context().deallocations.clear()
 
 
 def encode_rows(component, ids):

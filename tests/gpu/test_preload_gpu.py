@@ -26,7 +26,7 @@ def _host(ops, tensors, name):
 
 def test_preloaded_weights_are_taken_once_and_equal_the_late_uploads():
     checkpoint = open_checkpoint()
-    handed = stages.preload_gpu_weights(checkpoint, "cuda")
+    handed, _ = stages.preload_gpu_weights(checkpoint, "cuda")
     enc_comp, dit_comp = checkpoint.component("text_encoder"), checkpoint.component("transformer")
     assert handed == cuda_preload.handed_bytes(enc_comp.tensors) + cuda_preload.handed_bytes(dit_comp.tensors) > 0
     enc = cuda_encoder(enc_comp)

@@ -1,0 +1,242 @@
+"""The GPU memory plan: which weights stay on the device, which stream from pinned host memory, made before
+any upload from the memory a budget allows (`--gpu-memory GB`, `$MOSS_GPU_MEMORY`, else the GPU's free memory).
+
+In order of preference:
+* every component resident at once (the encoder, the DiT and the decoder);
+* the encoder resident while it encodes, then released before the DiT's weights go up;
+* then, layer by layer, the largest components' layers streamed: their matrices copied from pinned host memory
+  into two device slots just before each layer runs (cuda_window), the encoder's first (it runs once a prompt),
+  then the DiT's blocks, spread evenly over the depth so the copies overlap the resident blocks' work;
+* else refused before any work, with the smallest budget that would do.
+
+Every plan runs the same kernels in the same order on the same bytes, so every plan gives the same outputs.
+The sizes are worked out from the checkpoint's tensor shapes (bf16 matrices, float32 vectors), the pool's
+working memory from the picture size and text length (calibrated on scripts/pool_plan.py's op sequence), and a
+fixed reserve for the libraries' workspaces and the graphs. Pure Python: nothing here touches the GPU.
+"""
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+GB = 1e9
+# cuBLASLt's and cuDNN's workspaces, the step graphs' own memory, the kernels' modules: what the device holds
+# beside the weights and the pool (27.8 GB in use against 26.6 GB of weights and pool, all resident at 1024)
+RESERVE = 1.3 * GB
+# the pool's working memory (cuda_pool), bytes per token or per pixel at its peak (scripts/pool_plan.py at the
+# real configs: the DiT's step 0.49 GB at 4120 tokens, the decoder 2.10 GB at 1024x1024, the encoder 3.9 MB at
+# 24 tokens), with headroom
+DIT_POOL_PER_TOKEN = 140_000
+DECODER_POOL_PER_PIXEL = 2_200
+ENCODER_POOL_PER_TOKEN = 200_000
+SLOTS = 2                   # device slots a streamed component's layers rotate through
+HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}    # read on the host, never uploaded
+ENV = "MOSS_GPU_MEMORY"
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+
+
+def stored_bytes(array, matrix_bytes=2):
+    """Device bytes of a checkpoint tensor as the op tables keep it: 2-D matrices `matrix_bytes` an element,
+    everything else float32."""
+    return int(math.prod(array.shape)) * (matrix_bytes if len(array.shape) == 2 else 4)
+
+
+def layer_of(name):
+    """The layer index of a weight named layers.N.... (None for any other weight)."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def streamed_name(name, tensors, layers):
+    """Whether weight `name` (or a stack, a tuple of names) is a matrix of one of the streamed `layers`."""
+    first = name[0] if isinstance(name, tuple) else name
+    return layer_of(first) in layers and len(tensors[first].shape) == 2
+
+
+@dataclass
+class Weights:
+    """A component's device bytes: all of them, and the streamable part of each layer (its 2-D matrices)."""
+    total: int
+    layers: dict = field(default_factory=dict)      # layer -> bytes of its matrices
+
+    def streamed(self, layers):
+        return sum(self.layers[i] for i in layers)
+
+    @property
+    def slot(self):
+        return max(self.layers.values(), default=0)
+
+
+def component_weights(component):
+    """Weights of a checkpoint component (its tensors' shapes only: nothing is read)."""
+    host = HOST_TENSORS.get(component.name, ())
+    matrix = 4 if component.name == "vae" else 2       # the decoder keeps its matrices float32 (split later)
+    out = Weights(0)
+    for name, array in component.tensors.items():
+        if name in host:
+            continue
+        n = stored_bytes(array, matrix)
+        out.total += n
+        layer = layer_of(name)
+        if layer is not None and len(array.shape) == 2 and component.name != "vae":
+            out.layers[layer] = out.layers.get(layer, 0) + n
+    return out
+
+
+def spread(count, layers):
+    """`count` of the layer indices, spread evenly over them (the streamed ones), as a sorted tuple."""
+    layers = sorted(layers)
+    if count <= 0:
+        return ()
+    if count >= len(layers):
+        return tuple(layers)
+    return tuple(sorted({layers[int((k + 0.5) * len(layers) / count)] for k in range(count)}))
+
+
+@dataclass
+class Plan:
+    budget: int
+    source: str                         # where the budget came from
+    stages: tuple                       # the stages this process runs on the GPU
+    mode: str                           # "resident", "released" (encoder freed after encoding) or "streamed"
+    streamed: dict                      # component name -> tuple of its streamed layers
+    peak: int                           # the plan's largest need at once
+    phases: dict                        # phase -> bytes (what each part of the run holds at once)
+    size: tuple                         # (width, height) the pool was planned for
+
+    def layers(self, component):
+        return self.streamed.get(component, ())
+
+    @property
+    def resident(self):
+        return self.mode == "resident"
+
+    def line(self):
+        """The plan in one line (stderr)."""
+        parts = []
+        for comp, label in (("text_encoder", "encoder"), ("transformer", "DiT")):
+            if comp not in self.phases.get("names", ()):
+                continue
+            n, total = len(self.layers(comp)), self.phases["layer_counts"][comp]
+            parts.append(f"{label} {n}/{total} layers streamed" if n else f"{label} resident")
+        mode = {"resident": "all resident", "released": "encoder released after encoding",
+                "streamed": "layers streamed from pinned host memory"}[self.mode]
+        return (f"memory plan: {self.budget / GB:.1f} GB ({self.source}), {mode}: {', '.join(parts)}"
+                f"{', ' if parts else ''}peak {self.peak / GB:.1f} GB at {self.size[0]}x{self.size[1]}")
+
+
+def budget_bytes(given, free):
+    """(bytes, source): --gpu-memory GB (or $MOSS_GPU_MEMORY), at most the free memory, else the free memory.
+    `free` None: no GPU to ask (a plan shown with --plan on any machine), so a budget must be given."""
+    source = "--gpu-memory"
+    if given is None and os.environ.get(ENV, "").strip():
+        given, source = os.environ[ENV].strip(), f"${ENV}"
+    if given is None:
+        if free is None:
+            raise UsageError("no GPU to plan for: give the budget with --gpu-memory GB (or $MOSS_GPU_MEMORY)")
+        return int(free), "free GPU memory"
+    try:
+        value = float(given)
+    except ValueError:
+        raise UsageError(f"{source} {given!r}: give a number of GB (e.g. 16)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{source} {given}: give a positive number of GB")
+    asked = int(value * GB)
+    if free is not None and asked > free:
+        return int(free), f"{source} {value:g} GB, {free / GB:.1f} GB free"
+    return asked, source
+
+
+def pool_bytes(stage, width, height, text_tokens):
+    """The pool's working memory of one stage at this size."""
+    if stage == "encode":
+        return ENCODER_POOL_PER_TOKEN * text_tokens
+    if stage == "denoise":
+        return DIT_POOL_PER_TOKEN * ((width // 16) * (height // 16) + text_tokens)
+    return DECODER_POOL_PER_PIXEL * width * height
+
+
+def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=RESERVE):
+    """The plan for running `stages` (of encode, denoise, decode) in one process at this size under `budget`
+    bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the graphs.
+    Raises UsageError when no plan fits."""
+    stages = tuple(s for s in ("encode", "denoise", "decode") if s in stages)
+    names = [_COMPONENTS[s] for s in stages]
+    # the pool is shared and keeps its blocks: the largest stage's working memory is held from then on; the
+    # encoder's phase holds only its own
+    pool = max(pool_bytes(s, width, height, text_tokens) for s in stages)
+    enc_pool = pool_bytes("encode", width, height, text_tokens)
+    enc, dit, vae = (weights.get(n) for n in ("text_encoder", "transformer", "vae"))
+    later = (dit.total if dit and "denoise" in stages else 0) + (vae.total if vae and "decode" in stages else 0)
+    first = enc.total if enc and "encode" in stages else 0
+    counts = {n: len(weights[n].layers) for n in names if n in weights}
+    info = {"names": tuple(names), "layer_counts": counts}
+
+    def plan(mode, streamed, peak, phases):
+        return Plan(budget, source, stages, mode, streamed, peak, dict(phases, **info), (width, height))
+
+    together = first + later + pool + reserve
+    if together <= budget:
+        return plan("resident", {}, together, {"all": together})
+    streamed = {}
+    # the encoder alone, then the DiT (and the decoder) alone: each phase within the budget
+    enc_phase = _fit(enc, budget - enc_pool - reserve) if first else (0, ())
+    if enc_phase is None:
+        return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
+    dit_phase = _fit(dit, budget - pool - reserve - (vae.total if vae and "decode" in stages else 0)) \
+        if dit and "denoise" in stages else (0, ())
+    if dit_phase is None:
+        return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
+    if enc_phase[1]:
+        streamed["text_encoder"] = enc_phase[1]
+    if dit_phase[1]:
+        streamed["transformer"] = dit_phase[1]
+    phases = {"encode": enc_phase[0] + enc_pool + reserve,
+              "denoise": dit_phase[0] + (vae.total if vae and "decode" in stages else 0) + pool + reserve}
+    if not first:
+        phases.pop("encode")
+    if "denoise" not in stages:
+        phases["denoise"] = later + pool + reserve
+    mode = "streamed" if streamed else "released"
+    return plan(mode, streamed, max(phases.values()), phases)
+
+
+def _fit(weights, room):
+    """(device bytes, streamed layers) of the fewest streamed layers with which `weights` fit in `room`, or None.
+    Streaming costs SLOTS slots of the largest layer's matrices."""
+    if weights.total <= room:
+        return weights.total, ()
+    order = sorted(weights.layers)
+    slots = SLOTS * weights.slot
+    for count in range(1, len(order) + 1):
+        layers = spread(count, order)
+        need = weights.total - weights.streamed(layers) + slots
+        if need <= room:
+            return need, layers
+    return None
+
+
+def smallest(weights, stages, width, height, text_tokens=512, reserve=RESERVE):
+    """The smallest budget any plan fits in (every layer streamed)."""
+    pool = max(pool_bytes(s, width, height, text_tokens) for s in stages)
+    needs = [0]
+    for stage in stages:
+        w = weights.get(_COMPONENTS[stage])
+        if w is None:
+            continue
+        floor = w.total - w.streamed(w.layers) + (SLOTS * w.slot if w.layers else 0)
+        if stage == "denoise" and "decode" in stages and "vae" in weights:
+            floor += weights["vae"].total
+        needs.append(floor + (pool_bytes("encode", width, height, text_tokens) if stage == "encode" else pool))
+    return max(needs) + reserve
+
+
+def _refuse(weights, stages, budget, source, width, height, text_tokens, reserve):
+    need = smallest(weights, stages, width, height, text_tokens, reserve)
+    raise UsageError(f"the GPU memory budget ({budget / GB:.1f} GB, {source}) is below the smallest plan for "
+                     f"{width}x{height}, {need / GB:.1f} GB with every layer streamed; free GPU memory, raise "
+                     "--gpu-memory, or make a smaller picture")
