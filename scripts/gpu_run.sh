@@ -14,7 +14,8 @@
 # cache, picture_cold.json; PICTURE_AB="lanes lanes-late feeder" then processes with each uploader in turn, PICTURE_AB_ROUNDS
 # rounds (default 2), picture_ab-UPLOADER-ROUND.json), image (`moss-image --device cuda` on that folder at its
 # defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
-# fresh machine compiles every kernel), tables (BENCHMARKS.md's
+# fresh machine compiles every kernel), budget (moss-image at 1024x1024 with all but 24, 16, 12 and 8 GB of the GPU held
+# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -90,12 +91,14 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
           fi
-          if [ "$step" = load ]; then
+          if [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
+            $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
+          elif [ "$step" = load ]; then
             $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"
           elif [ "$step" = image ]; then     # the command itself, timed from its start to its exit
             for run in 1 2 3; do

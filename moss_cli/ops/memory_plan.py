@@ -26,12 +26,13 @@ GB = 1e9
 # cuBLASLt's and cuDNN's workspaces, the step graphs' own memory, the kernels' modules: what the device holds
 # beside the weights and the pool (27.8 GB in use against 26.6 GB of weights and pool, all resident at 1024)
 RESERVE = 1.3 * GB
-# the pool's working memory (cuda_pool), bytes per token or per pixel at its peak (scripts/pool_plan.py at the
-# real configs: the DiT's step 0.49 GB at 4120 tokens, the decoder 2.10 GB at 1024x1024, the encoder 3.9 MB at
-# 24 tokens), with headroom
-DIT_POOL_PER_TOKEN = 140_000
-DECODER_POOL_PER_PIXEL = 2_200
-ENCODER_POOL_PER_TOKEN = 200_000
+RESERVE_ENV = "MOSS_PLAN_RESERVE_GB"      # another reserve, in GB (a GPU whose libraries need more or less)
+# the pool's working memory (cuda_pool) at its peak, in bytes per token and per output feature of a layer's
+# products (the DiT, the encoder), or per pixel and per channel of the widest convolution (the decoder):
+# scripts/pool_plan.py at the real configs gives the DiT's step 0.49 GB at 4120 tokens (31744 features), the
+# decoder 2.10 GB at 1024x1024 (384 channels), the encoder 3.9 MB at 24 tokens; with headroom
+POOL_PER_FEATURE = 4.4
+POOL_PER_CHANNEL_PIXEL = 5.7
 SLOTS = 2                   # device slots a streamed component's layers rotate through
 HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}    # read on the host, never uploaded
 ENV = "MOSS_GPU_MEMORY"
@@ -62,6 +63,7 @@ class Weights:
     """A component's device bytes: all of them, and the streamable part of each layer (its 2-D matrices)."""
     total: int
     layers: dict = field(default_factory=dict)      # layer -> bytes of its matrices
+    features: int = 0     # per token, the outputs of a layer's products (the decoder: its widest convolution's)
 
     def streamed(self, layers):
         return sum(self.layers[i] for i in layers)
@@ -76,15 +78,26 @@ def component_weights(component):
     host = HOST_TENSORS.get(component.name, ())
     matrix = 4 if component.name == "vae" else 2       # the decoder keeps its matrices float32 (split later)
     out = Weights(0)
+    features = {}
     for name, array in component.tensors.items():
         if name in host:
             continue
         n = stored_bytes(array, matrix)
         out.total += n
         layer = layer_of(name)
-        if layer is not None and len(array.shape) == 2 and component.name != "vae":
+        if component.name == "vae":
+            if len(array.shape) == 4:
+                out.features = max(out.features, int(array.shape[0]))
+        elif layer is not None and len(array.shape) == 2:
             out.layers[layer] = out.layers.get(layer, 0) + n
+            features[layer] = features.get(layer, 0) + int(array.shape[0])
+    out.features = max(features.values(), default=out.features)
     return out
+
+
+def size_text(nbytes):
+    """Bytes as GB with one decimal, or MB below a tenth of a GB (the tiny checkpoint's plans)."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.2f} MB"
 
 
 def spread(count, layers):
@@ -125,8 +138,8 @@ class Plan:
             parts.append(f"{label} {n}/{total} layers streamed" if n else f"{label} resident")
         mode = {"resident": "all resident", "released": "encoder released after encoding",
                 "streamed": "layers streamed from pinned host memory"}[self.mode]
-        return (f"memory plan: {self.budget / GB:.1f} GB ({self.source}), {mode}: {', '.join(parts)}"
-                f"{', ' if parts else ''}peak {self.peak / GB:.1f} GB at {self.size[0]}x{self.size[1]}")
+        return (f"memory plan: {size_text(self.budget)} ({self.source}), {mode}: {', '.join(parts)}"
+                f"{', ' if parts else ''}peak {size_text(self.peak)} at {self.size[0]}x{self.size[1]}")
 
 
 def budget_bytes(given, free):
@@ -147,29 +160,42 @@ def budget_bytes(given, free):
         raise UsageError(f"{source} {given}: give a positive number of GB")
     asked = int(value * GB)
     if free is not None and asked > free:
-        return int(free), f"{source} {value:g} GB, {free / GB:.1f} GB free"
+        return int(free), f"{source} {value:g} GB, {size_text(free)} free"
     return asked, source
 
 
-def pool_bytes(stage, width, height, text_tokens):
-    """The pool's working memory of one stage at this size."""
+def pool_bytes(stage, weights, width, height, text_tokens):
+    """The pool's working memory of one stage at this size (`weights`: its component's)."""
     if stage == "encode":
-        return ENCODER_POOL_PER_TOKEN * text_tokens
+        return int(POOL_PER_FEATURE * weights.features * text_tokens)
     if stage == "denoise":
-        return DIT_POOL_PER_TOKEN * ((width // 16) * (height // 16) + text_tokens)
-    return DECODER_POOL_PER_PIXEL * width * height
+        return int(POOL_PER_FEATURE * weights.features * ((width // 16) * (height // 16) + text_tokens))
+    return int(POOL_PER_CHANNEL_PIXEL * weights.features * width * height)
 
 
-def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=RESERVE):
+def reserve_bytes():
+    """RESERVE, or $MOSS_PLAN_RESERVE_GB."""
+    given = os.environ.get(RESERVE_ENV, "").strip()
+    try:
+        value = float(given) * GB if given else RESERVE
+    except ValueError:
+        raise UsageError(f"${RESERVE_ENV} {given!r}: give a number of GB") from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"${RESERVE_ENV} {given}: give a number of GB, 0 or more")
+    return value
+
+
+def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=None):
     """The plan for running `stages` (of encode, denoise, decode) in one process at this size under `budget`
     bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the graphs.
     Raises UsageError when no plan fits."""
+    reserve = reserve_bytes() if reserve is None else reserve
     stages = tuple(s for s in ("encode", "denoise", "decode") if s in stages)
     names = [_COMPONENTS[s] for s in stages]
     # the pool is shared and keeps its blocks: the largest stage's working memory is held from then on; the
     # encoder's phase holds only its own
-    pool = max(pool_bytes(s, width, height, text_tokens) for s in stages)
-    enc_pool = pool_bytes("encode", width, height, text_tokens)
+    pool = max(pool_bytes(s, weights[_COMPONENTS[s]], width, height, text_tokens) for s in stages)
+    enc_pool = pool_bytes("encode", weights["text_encoder"], width, height, text_tokens)
     enc, dit, vae = (weights.get(n) for n in ("text_encoder", "transformer", "vae"))
     later = (dit.total if dit and "denoise" in stages else 0) + (vae.total if vae and "decode" in stages else 0)
     first = enc.total if enc and "encode" in stages else 0
@@ -222,7 +248,7 @@ def _fit(weights, room):
 
 def smallest(weights, stages, width, height, text_tokens=512, reserve=RESERVE):
     """The smallest budget any plan fits in (every layer streamed)."""
-    pool = max(pool_bytes(s, width, height, text_tokens) for s in stages)
+    pool = max(pool_bytes(s, weights[_COMPONENTS[s]], width, height, text_tokens) for s in stages)
     needs = [0]
     for stage in stages:
         w = weights.get(_COMPONENTS[stage])
@@ -231,12 +257,12 @@ def smallest(weights, stages, width, height, text_tokens=512, reserve=RESERVE):
         floor = w.total - w.streamed(w.layers) + (SLOTS * w.slot if w.layers else 0)
         if stage == "denoise" and "decode" in stages and "vae" in weights:
             floor += weights["vae"].total
-        needs.append(floor + (pool_bytes("encode", width, height, text_tokens) if stage == "encode" else pool))
+        needs.append(floor + (pool_bytes("encode", weights["text_encoder"], width, height, text_tokens) if stage == "encode" else pool))
     return max(needs) + reserve
 
 
 def _refuse(weights, stages, budget, source, width, height, text_tokens, reserve):
     need = smallest(weights, stages, width, height, text_tokens, reserve)
-    raise UsageError(f"the GPU memory budget ({budget / GB:.1f} GB, {source}) is below the smallest plan for "
-                     f"{width}x{height}, {need / GB:.1f} GB with every layer streamed; free GPU memory, raise "
+    raise UsageError(f"the GPU memory budget ({size_text(budget)}, {source}) is below the smallest plan for "
+                     f"{width}x{height}, {size_text(need)} with every layer streamed; free GPU memory, raise "
                      "--gpu-memory, or make a smaller picture")
