@@ -17,10 +17,21 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import cuda
 
+from cuda_kernels.core import SIMULATED
+
 from .host_weights import stack_forms, stored_form
 from .memory_plan import SLOTS, layer_of, streamed_name
 
 ALIGN = 256
+
+
+def _side_stream():
+    """A non-blocking stream for the copies (the simulator's own stream there)."""
+    if SIMULATED:
+        return cuda.stream()
+    from cuda.core import Device, StreamOptions
+    from .cuda_table import numba_stream
+    return numba_stream(Device().create_stream(options=StreamOptions(nonblocking=True)))
 
 
 class Window:
@@ -113,7 +124,7 @@ class Window:
         self.slots[t % len(self.slots)][:host.size].copy_to_device(host, stream=stream)
 
     def _event(self, ops):
-        event = cuda.event(timing=False)
+        event = cuda.event() if SIMULATED else cuda.event(timing=False)
         if ops.capturing:
             ops.kept.append(event)       # a graph's event nodes refer to it
         return event
@@ -128,9 +139,7 @@ class Window:
             self._uses = None if uses is None else []
             return
         if self._side is None:
-            from cuda.core import Device, StreamOptions
-            from .cuda_table import numba_stream
-            self._side = numba_stream(Device().create_stream(options=StreamOptions(nonblocking=True)))
+            self._side = _side_stream()
         fork = self._event(ops)
         fork.record(ops._numba_stream())
         fork.wait(self._side)

@@ -195,8 +195,8 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
     # the pool is shared and keeps its blocks: the largest stage's working memory is held from then on; the
     # encoder's phase holds only its own
     pool = max(pool_bytes(s, weights[_COMPONENTS[s]], width, height, text_tokens) for s in stages)
-    enc_pool = pool_bytes("encode", weights["text_encoder"], width, height, text_tokens)
     enc, dit, vae = (weights.get(n) for n in ("text_encoder", "transformer", "vae"))
+    enc_pool = pool_bytes("encode", enc, width, height, text_tokens) if "encode" in stages else 0
     later = (dit.total if dit and "denoise" in stages else 0) + (vae.total if vae and "decode" in stages else 0)
     first = enc.total if enc and "encode" in stages else 0
     counts = {n: len(weights[n].layers) for n in names if n in weights}
