@@ -13,11 +13,11 @@ import zlib
 
 import numpy as np
 
-from . import (conv, dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, mma, norms, prefetch,
+from . import (conv, dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, mma, norms,
                rope_attention, sdpa)
 from .core import SIMULATED, gate
 
-MODULES = (elementwise, layout, prefetch, embedding, norms, rope_attention, flash, gdn, gdn_inputs, gdn_chunk, gemm,
+MODULES = (elementwise, layout, embedding, norms, rope_attention, flash, gdn, gdn_inputs, gdn_chunk, gemm,
            mma, dit, sdpa, conv)
 
 # Each case's bound is what its arithmetic can do at worst; where the error measured far below it (a sum's

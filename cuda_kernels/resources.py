@@ -26,7 +26,7 @@ ARCH = (9, 0)
 def _signatures():
     from numba.core import types as t
     from . import (conv, dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms,
-                   prefetch, rope_attention)
+                   rope_attention)
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -46,7 +46,6 @@ def _signatures():
         "strided_copy": (layout._copy[False], (f1, t.int64, tup, f1, t.int64, tup, tup)),
         "copy_rows": (layout._rows[False], (f1, t.int64, t.int64, f1, t.int64, t.int64, t.int64, t.int64)),
         "random_bf16": (layout._random[False], (a(t.uint16, 1), t.uint32, t.float32, t.float32)),
-        "l2_touch": (prefetch._touch[False], (a(t.uint64, 1), a(t.uint64, 1))),
         "embedding": (embedding._embedding[False], (a(t.uint16, 2), a(t.int32, 1), f2)),
         "rms_norm_d256": (norms._rms(False, False, *row_team(256), True), (s3, f1, f3, t.float32, t.float32)),
         "rms_norm_d4096": (norms._rms(False, False, *row_team(4096), True), (f3, f1, f3, t.float32, t.float32)),

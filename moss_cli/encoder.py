@@ -190,7 +190,6 @@ class Qwen35Encoder:
         L, hd, nq, nkv = h.shape[0], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
         eps = c["rms_norm_eps"]
         both, k, v = ops.linears(h, self.ws(p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"))
-        ops.prefetch(self.w(p + "o_proj.weight"), L)        # read beside the norms, rope and attention
         q, gate = ops.split(ops.reshape(both, (L, nq, 2 * hd)), (hd, hd))
         k = ops.reshape(k, (L, nkv, hd))
         v = ops.reshape(v, (L, nkv, hd))
@@ -207,7 +206,6 @@ class Qwen35Encoder:
         hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
         conv_w = self.w(p + "conv1d.weight")
         mixed, z, b, a = ops.linears(h, self.ws(*(p + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))))
-        ops.prefetch(self.w(p + "out_proj.weight"), L)      # read beside the conv, gates and delta rule
         q, k, v, g, beta = ops.gdn_inputs(mixed, ops.reshape(conv_w, (conv_w.shape[0], conv_w.shape[2])), a, b,
                                           self.w(p + "A_log"), self.w(p + "dt_bias"), (hk, dk, hv, dv), L2_EPS)
         o = ops.gated_delta_rule(q, k, v, g, beta, form=self.form)

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 from numba import cuda
 
-from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norms, prefetch, rope_attention
+from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norms, rope_attention
 from cuda_kernels.core import SIMULATED, DeviceView, columns, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
@@ -43,13 +43,6 @@ MAX_TOKENS = 32768
 # chunked form at 1024 (scripts/gpu_bench_delta.py); measured at 256 tokens too, they cross near
 # 150 tokens.
 CHUNK_FROM = 160
-# Prompt length up to which `prefetch` reads the next product's weight into L2 beside the kernels before
-# that product (there the products are bound by reading their weights), and the largest weight it reads
-# (the H200's L2 holds 50 MB; a [4096, 4096] bf16 weight is 33.5 MB).
-# Measured on the H200 with prefetch up to 256 tokens, the 100-token encode was slower with it than without
-# (the touch kernel ran beside the delta rule and slowed the product it fed). Off (0).
-PREFETCH_UNTIL = 0
-PREFETCH_MAX_BYTES = 36 << 20
 
 
 class Stacked:
@@ -117,9 +110,6 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit: the whole encode on the H200
         # is no slower than with the three kernels it replaces (scripts/gpu_encoder_9b.py's variants): on
         self.fuse_gdn_inputs = True
-        self.prefetch_until = PREFETCH_UNTIL   # 0: no prefetch
-        self._side = None              # (numba view of a non-blocking stream, the cuda.core stream, checksums)
-        self._pending = {}             # id(weight) -> the event its prefetch records on the side stream
         self.window = None             # cuda_window.Window of the layers the memory plan streams, if any
 
     # --- memory -------------------------------------------------------------------------------
@@ -424,8 +414,6 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         res = None if residual is None else residual.reshape(rows, w.shape[0])
         if bits and b is not None:
             b = self._bias_bits(b)
-        if self._pending:
-            self.join_prefetches(w)
         blas().linear(xb, w, out, bias=b, residual=res, stream=self.stream)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
@@ -439,35 +427,8 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
             self._params[key] = out = (out, b)
         return out[0]
 
-    def prefetch(self, w, rows):
-        """The next product reads w: for a prompt of at most prefetch_until rows, read w into L2 now on a
-        side stream forked from this one (in a graph, a branch), joined back by the product (linear)."""
-        if SIMULATED or rows > self.prefetch_until or w.size * w.dtype.itemsize > PREFETCH_MAX_BYTES:
-            return
-        if self._side is None:
-            from cuda.core import Device, StreamOptions
-            core = Device().create_stream(options=StreamOptions(nonblocking=True))
-            self._side = (numba_stream(core), core,
-                          cuda.device_array(prefetch.BLOCKS, np.uint64))
-        side, _, sums = self._side
-        fork, done = cuda.event(timing=False), cuda.event(timing=False)
-        fork.record(self._numba_stream())
-        fork.wait(side)
-        prefetch.touch(prefetch.words(w), sums, stream=side)
-        done.record(side)
-        self._pending[id(w)] = done
-        if self.capturing:
-            self.kept += [fork, done]
-
     def _numba_stream(self):
         return numba_stream(self.stream)
-
-    def join_prefetches(self, w=None):
-        """This stream waits for w's prefetch (every pending one when w is None)."""
-        for key in ([id(w)] if w is not None else list(self._pending)):
-            done = self._pending.pop(key, None)
-            if done is not None:
-                done.wait(self._numba_stream())
 
     def linears(self, x, ws, narrow=False):
         """One product with the stacked weight; each projection is a column block of it (a strided view);
@@ -604,10 +565,6 @@ def numba_stream(stream):
     """The numba stream for 0 (the default stream), a cuda.core Stream or a graph builder (its capturing
     stream): what numba's copies and events take."""
     return cuda.default_stream() if stream == 0 else cuda.external_stream(stream_handle(stream))
-
-
-def cuda_ops():
-    return CudaOps()
 
 
 def bucket(length):
@@ -755,7 +712,6 @@ def capture(ops, run, uses=None):
             out = run()
             if ops.window is not None:
                 ops.window.finish()        # every copy on the side branch waited for before the capture ends
-            ops.join_prefetches()          # a side branch must rejoin before the capture ends
         finally:
             ops.stream, ops.capturing = 0, False
             builder.end_building()
@@ -785,8 +741,3 @@ def release(runner):
     gc.collect()
     cuda.synchronize()
     cuda.current_context().deallocations.clear()
-
-
-def encode_rows(component, ids):
-    """One call: the component's last_hidden_state rows for `ids`, float32 [L, hidden], on the GPU."""
-    return cuda_encoder(component)(ids)

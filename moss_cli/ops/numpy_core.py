@@ -117,9 +117,6 @@ class CoreOps:
         bf16 (the model's dtype, as transformers' bf16 forward does); numpy keeps float32 either way."""
         return [self.linear(x, w) for w in ws]
 
-    def prefetch(self, w, rows):
-        """A hint that the next product reads w (a GPU table may read it into its cache ahead); nothing here."""
-
     def rms_norm(self, x, w, eps, offset=0.0, operand=False):
         """x / sqrt(mean(x^2) + eps) * (offset + w) over the last axis (offset 1 = zero-centred).
 
