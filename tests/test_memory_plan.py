@@ -147,3 +147,10 @@ def test_out_of_memory_at_each_stage_is_one_line_exit_1_and_no_file(tmp_path, st
     assert p.returncode == 1 and len(errors) == 1, p.stderr
     assert errors[0].startswith("moss-image: error: out of GPU memory") and "--gpu-memory" in errors[0]
     assert "Traceback" not in p.stderr and not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("budget,encoder,dit", [(80, 0, 0), (24, 13, 0), (16, 32, 0), (12, 32, 19), (8, 32, 36)])
+def test_a_server_holds_every_component_and_streams_the_encoder_first(real, budget, encoder, dit):
+    plan = mp.make(real, ALL, budget * GB, held=True)
+    assert len(plan.layers("text_encoder")) == encoder and len(plan.layers("transformer")) == dit
+    assert plan.peak <= budget * GB and plan.mode == ("resident" if budget == 80 else "streamed")

@@ -185,10 +185,12 @@ def reserve_bytes():
     return value
 
 
-def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=None):
+def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=None,
+         held=False):
     """The plan for running `stages` (of encode, denoise, decode) in one process at this size under `budget`
-    bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the graphs.
-    Raises UsageError when no plan fits."""
+    bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the graphs;
+    `held`: every component stays loaded for the process's life (a server), so none is released: the encoder's
+    layers stream first, then the DiT's. Raises UsageError when no plan fits."""
     reserve = reserve_bytes() if reserve is None else reserve
     stages = tuple(s for s in ("encode", "denoise", "decode") if s in stages)
     names = [_COMPONENTS[s] for s in stages]
@@ -209,6 +211,18 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
     if together <= budget:
         return plan("resident", {}, together, {"all": together})
     streamed = {}
+    if held and first and later:
+        vae_bytes = vae.total if vae and "decode" in stages else 0
+        enc_fit = _fit(enc, budget - pool - reserve - later)
+        dit_fit = (dit.total, ())
+        if enc_fit is None:          # every encoder layer streamed, and then the DiT's as they must
+            enc_fit = _fit(enc, enc.total - enc.streamed(enc.layers) + SLOTS * enc.slot)
+            dit_fit = _fit(dit, budget - pool - reserve - vae_bytes - enc_fit[0])
+            if dit_fit is None:
+                return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
+        streamed = {n: f[1] for n, f in (("text_encoder", enc_fit), ("transformer", dit_fit)) if f[1]}
+        need = enc_fit[0] + dit_fit[0] + vae_bytes + pool + reserve
+        return plan("streamed", streamed, need, {"all": need})
     # the encoder alone, then the DiT (and the decoder) alone: each phase within the budget
     enc_phase = _fit(enc, budget - enc_pool - reserve) if first else (0, ())
     if enc_phase is None:
