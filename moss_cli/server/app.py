@@ -263,7 +263,7 @@ def create_app(engine, api_key=None, kept=None):
 
     @app.get("/health")
     async def health():
-        status = {"status": engine.state, "queue": engine.depth, "busy": engine.busy, "model": model_id,
+        status = {"status": engine.state, "queue": engine.depth, "busy": engine.running is not None, "model": model_id,
                   "devices": engine.devices}
         if engine.error is not None:
             status["error"] = str(engine.error)

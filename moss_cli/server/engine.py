@@ -143,8 +143,9 @@ class Engine:
             return len(self._queue)
 
     @property
-    def busy(self):
-        return self._running is not None
+    def running(self):
+        """The request being made, or None."""
+        return self._running
 
     def submit(self, request):
         """Queue REQUEST (Busy when the queue is full, Unavailable when the engine takes no work); its
