@@ -53,12 +53,50 @@ def start_process(*args, env=None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
-def wait_ready(url, process=None):
+def run_process(*args, timeout=WAIT_S):
+    """`moss-server ARGS` run to its end: a cli_util.Result."""
+    from cli_util import Result
+    p = subprocess.run([sys.executable, "-m", "moss_cli.server", *map(str, args)], capture_output=True,
+                       timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
+
+
+def wait_ready(url, process):
+    """The /health statuses seen, in order, until the server at URL is ready."""
+    seen = []
+
     def ready():
-        if process is not None and process.poll() is not None:
+        if process.poll() is not None:
             raise AssertionError(f"the server exited with {process.returncode}: {process.stderr.read().decode()}")
         try:
-            return httpx.get(f"{url}/health", timeout=5).json()["status"] == "ready"
+            status = httpx.get(f"{url}/health", timeout=WAIT_S).json()["status"]
         except httpx.TransportError:
             return False
-    until(ready, f"{url} to be ready", every=0.2)
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        return status == "ready"
+
+    until(ready, f"{url} to be ready", every=0.1)
+    return seen
+
+
+class Background:
+    """CALL on a thread; `result()` waits for what it returned."""
+
+    def __init__(self, call):
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call):
+        try:
+            self.value = call()
+        except Exception as e:
+            self.error = e
+
+    def result(self):
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the request did not end"
+        if self.error:
+            raise self.error
+        return self.value

@@ -20,7 +20,7 @@ from moss_cli.checkpoint import open_checkpoint
 from moss_cli.errors import DeviceError
 from moss_cli.server.app import MAX_BODY, Kept, create_app
 from moss_cli.server.engine import MAX_PROMPT, Engine
-from server_util import WAIT_S, serving, until
+from server_util import WAIT_S, Background, serving, until
 
 SMALL = {"size": "64x48", "num_inference_steps": 2}
 TINY = {"size": "32x32", "num_inference_steps": 1}      # the quickest picture, where its bytes are not compared
@@ -81,28 +81,6 @@ def held(engine):
         engine.model_for = real
 
 
-class Background:
-    """CALL on a thread; `result()` waits for what it returned."""
-
-    def __init__(self, call):
-        self.value, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
-        self.thread.start()
-
-    def _run(self, call):
-        try:
-            self.value = call()
-        except Exception as e:
-            self.error = e
-
-    def result(self):
-        self.thread.join(WAIT_S)
-        assert not self.thread.is_alive(), "the request did not end"
-        if self.error:
-            raise self.error
-        return self.value
-
-
 def test_the_openai_client_gets_moss_images_pngs_seed_plus_i(url, fox):
     images = client(url).images.generate(
         model="tiny", prompt="a red fox", n=2, size="64x48",
@@ -110,7 +88,7 @@ def test_the_openai_client_gets_moss_images_pngs_seed_plus_i(url, fox):
     assert len(images.data) == 2 and images.created > 0
     for image, seed in zip(images.data, (7, 8)):
         assert base64.b64decode(image.b64_json) == fox[seed]
-        params = image.model_extra["parameters"]
+        params = image.parameters              # an extra field, as the README reads it
         assert (params["seed"], params["steps"], params["guidance"], params["negative"]) == (seed, 2, 2.5, "blurry")
         assert (params["width"], params["height"], params["prompt"]) == (64, 48, "a red fox")
 
