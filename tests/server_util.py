@@ -53,11 +53,11 @@ def start_process(*args, env=None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
-def run_process(*args, timeout=WAIT_S):
+def run_process(*args, env=None, timeout=WAIT_S):
     """`moss-server ARGS` run to its end: a cli_util.Result."""
     from cli_util import Result
     p = subprocess.run([sys.executable, "-m", "moss_cli.server", *map(str, args)], capture_output=True,
-                       timeout=timeout)
+                       env={**os.environ, **(env or {})}, timeout=timeout)
     return Result(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
 
 

@@ -17,7 +17,8 @@ from PIL import Image
 
 from cli_util import run
 from moss_cli.checkpoint import open_checkpoint
-from moss_cli.errors import DeviceError
+from moss_cli import batch
+from moss_cli.errors import CheckpointError, DeviceError
 from moss_cli.server.app import MAX_BODY, Kept, create_app
 from moss_cli.server.engine import MAX_PROMPT, Engine
 from server_util import WAIT_S, Background, serving, until
@@ -150,6 +151,9 @@ BAD = [
     ({"size": "64"}, "size", "WIDTHxHEIGHT"),
     ({"size": "65x64"}, "size", "width 65: must be a positive multiple of 16"),
     ({"size": "64x0"}, "size", "height 0: must be a positive multiple of 16"),
+    ({"size": "64x²"}, "size", "WIDTHxHEIGHT"),
+    ({"size": "8192x64"}, "size", "width 8192: the server takes at most 4096"),
+    ({"num_inference_steps": 1001}, "num_inference_steps", "steps 1001: the server takes at most 1000"),
     ({"n": 0}, "n", "give 1 to 8 pictures"),
     ({"n": 9}, "n", "give 1 to 8 pictures"),
     ({"n": "2"}, "n", "valid integer"),
@@ -334,3 +338,18 @@ def test_an_api_key_is_required_as_a_bearer_token_when_given(engine, fox):
             model="tiny", prompt="a red fox", size="64x48",
             extra_body={"seed": 8, "num_inference_steps": 2, "guidance_scale": 2.5, "negative_prompt": "blurry"})
         assert base64.b64decode(images.data[0].b64_json) == fox[8]
+
+
+def test_a_model_that_fails_to_load_answers_503_and_health_says_why(monkeypatch):
+    def broken(*args):
+        raise CheckpointError("transformer: a shard is unreadable")
+
+    monkeypatch.setattr(batch, "open_models", broken)
+    failed = Engine(open_checkpoint(), device="cpu").start()
+    assert failed.loaded.wait(WAIT_S) and failed.state == "failed"
+    with serving(create_app(failed)) as url:
+        health = httpx.get(f"{url}/health", timeout=WAIT_S)
+        assert health.status_code == 503
+        assert (health.json()["status"], health.json()["error"]) == ("failed", "transformer: a shard is unreadable")
+        error = error_of(post(url, {"prompt": "a fox", **TINY}), 503)
+        assert error["message"] == "the model failed to load: transformer: a shard is unreadable"

@@ -57,3 +57,9 @@ def test_the_help_names_every_option():
     for option in ("--model", "--host", "--port", "--device", "--gpu-memory", "--max-queue", "--api-key"):
         assert option in r.stdout.decode()
 
+
+
+def test_a_device_that_cannot_be_used_is_one_line_and_exit_1_before_listening():
+    port = free_port()
+    r = run_process("--device", "cuda", "--port", port, env={"NUMBA_ENABLE_CUDASIM": "0", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.code == 1 and "--device cuda:" in single_error(r)

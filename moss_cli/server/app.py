@@ -119,7 +119,7 @@ def _size(text, defaults):
     if text == "auto":
         return defaults["width"], defaults["height"]
     w, x, h = text.partition("x")
-    if not (x and w.isdigit() and h.isdigit()):
+    if not (x and w.isascii() and h.isascii() and w.isdigit() and h.isdigit()):
         raise ApiError(400, f"size {text!r}: give WIDTHxHEIGHT, e.g. 1024x1024, or auto", param="size",
                        code="invalid_size")
     return int(w), int(h)

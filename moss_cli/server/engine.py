@@ -24,6 +24,8 @@ from ..progress import Silent
 
 MAX_PICTURES = 8            # per request, as OpenAI's n
 MAX_PROMPT = 16384          # characters of a prompt or negative; the encoder keeps at most 4096 tokens anyway
+MAX_SIDE = 4096             # pixels a side, and ...
+MAX_STEPS = 1000            # ... steps: one request cannot hold the worker for hours
 KEEP_PROMPTS = 8            # prompt encodings and negative rows kept for later requests
 WARM_STEPS = 2              # the warm-up picture's steps: one without and one with the skip window
 
@@ -107,6 +109,7 @@ class Engine:
         self._lock = threading.Condition()
         self._prompts = Recent(KEEP_PROMPTS)
         self._negatives = Recent(KEEP_PROMPTS)
+        self.loaded = threading.Event()      # set once the load (and warm-up) succeeded or failed
         self._thread = threading.Thread(target=self._work, name="moss-engine", daemon=True)
 
     @property
@@ -134,6 +137,10 @@ class Engine:
             seed = secrets.randbelow(2**32)
         options = self.options(seed, **given)
         self.options(seed + count - 1, **given)      # the last picture's seed is in range too
+        for name, value, most in (("width", options.width, MAX_SIDE), ("height", options.height, MAX_SIDE),
+                                  ("steps", options.steps, MAX_STEPS)):
+            if value > most:
+                raise UsageError(f"--{name} {value}: the server takes at most {most}")
         return Request(prompt, negative, options, count)
 
     @property
@@ -154,7 +161,7 @@ class Engine:
             if self._closed or self.state == "failed":
                 raise Unavailable(self._why())
             if len(self._queue) >= self.max_queue:
-                raise Busy(f"the queue is full ({self.max_queue} requests wait); try again later",
+                raise Busy(f"the queue is full ({self.max_queue} waiting); try again later",
                            self._retry_after())
             self._queue.append(request)
             self._lock.notify()
@@ -202,6 +209,8 @@ class Engine:
             for request in waiting:
                 request.future.set_exception(Unavailable(self._why()))
             return
+        finally:
+            self.loaded.set()
         while True:
             with self._lock:
                 while not self._queue and not self._closed:

@@ -1,8 +1,9 @@
 """moss-server: the engine behind uvicorn. Loads once, warms, serves; SIGTERM or SIGINT stops taking requests,
-finishes the picture being made, and exits 0."""
+finishes the picture being made, and exits 0. A model that fails to load stops the server with its one line."""
 
 import importlib.util
 import signal
+import threading
 
 import click
 
@@ -31,7 +32,16 @@ def _serve(engine, app, host, port, quiet):
     config = uvicorn.Config(app, host=host, port=port, log_level="warning" if quiet else "info",
                             access_log=not quiet, timeout_graceful_shutdown=None)
     server = Server(config)
+
+    def stop_on_failed_load():
+        engine.loaded.wait()
+        if engine.state == "failed":
+            server.should_exit = True
+
+    threading.Thread(target=stop_on_failed_load, name="load-watch", daemon=True).start()
     server.run()
+    if engine.state == "failed":
+        raise engine.error
     if not server.force_exit:
         engine.join()
 
