@@ -20,7 +20,7 @@ from moss_cli.checkpoint import open_checkpoint
 from moss_cli import batch
 from moss_cli.errors import CheckpointError, DeviceError
 from moss_cli.server.app import MAX_BODY, Kept, create_app
-from moss_cli.server.engine import MAX_PROMPT, Engine
+from moss_cli.server.engine import MAX_PROMPT, Engine, Recent
 from server_util import WAIT_S, Background, serving, until
 
 SMALL = {"size": "64x48", "num_inference_steps": 2}
@@ -321,6 +321,8 @@ def test_models_and_health(engine, url):
                              "devices": {"encode": "cpu", "denoise": "cpu", "decode": "cpu"}}
     error = error_of(httpx.get(f"{url}/v1/nothing", timeout=WAIT_S), 404)
     assert error["code"] == "not_found"
+    error = error_of(httpx.post(f"{url}/v1/models", timeout=WAIT_S), 405)
+    assert error["code"] == "method_not_allowed"
 
 
 def test_an_api_key_is_required_as_a_bearer_token_when_given(engine, fox):
@@ -353,3 +355,31 @@ def test_a_model_that_fails_to_load_answers_503_and_health_says_why(monkeypatch)
         assert (health.json()["status"], health.json()["error"]) == ("failed", "transformer: a shard is unreadable")
         error = error_of(post(url, {"prompt": "a fox", **TINY}), 503)
         assert error["message"] == "the model failed to load: transformer: a shard is unreadable"
+
+
+def test_prompts_and_negatives_are_encoded_once_across_requests(engine, url):
+    model = engine.model_for("encode")
+    real, calls = model.encoder, []
+
+    def counting(ids):
+        calls.append(len(ids))
+        return real(ids)
+
+    model.__dict__["encoder"] = counting         # the cached component, counted
+    try:
+        counts = []
+        for prompt in ("a cat", "a cat", "a dog"):
+            before = len(calls)
+            assert post(url, {"prompt": prompt, "negative_prompt": "dusty", **TINY}).status_code == 200
+            counts.append(len(calls) - before)
+    finally:
+        model.__dict__["encoder"] = real
+    assert counts == [2, 0, 1]
+
+
+def test_recent_keeps_the_entries_last_set_or_read():
+    recent = Recent(2)
+    recent["a"], recent["b"] = 1, 2
+    assert recent.get("a") == 1
+    recent["c"] = 3
+    assert list(recent) == ["a", "c"] and recent.get("b") is None

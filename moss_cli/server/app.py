@@ -152,7 +152,8 @@ def create_app(engine, api_key=None, kept=None):
 
     @app.exception_handler(405)
     async def _not_allowed(request, error):
-        return ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed").response()
 
     def authorize(request: Request):
         if api_key is None:
