@@ -180,7 +180,7 @@ def create_app(engine, api_key=None, kept=None):
         if not isinstance(value, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         try:
-            return schema.model_validate(value)
+            return schema.model_validate({k: v for k, v in value.items() if v is not None})   # null: the default
         except ValidationError as e:
             first = e.errors()[0]
             param = ".".join(str(p) for p in first["loc"]) or None
