@@ -3,6 +3,7 @@ mid-picture stops it taking requests, answers the waiting one 503, finishes the 
 PNG) and exits 0; a bad model folder is one line and exit 1."""
 
 import signal
+import socket
 
 import httpx
 import pytest
@@ -63,3 +64,14 @@ def test_a_device_that_cannot_be_used_is_one_line_and_exit_1_before_listening():
     port = free_port()
     r = run_process("--device", "cuda", "--port", port, env={"NUMBA_ENABLE_CUDASIM": "0", "CUDA_VISIBLE_DEVICES": ""})
     assert r.code == 1 and "--device cuda:" in single_error(r)
+
+
+def test_a_port_in_use_is_one_line_and_exit_1_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_process("--port", port)
+    line = single_error(r)
+    assert r.code == 1 and f"--host 127.0.0.1 --port {port}: cannot listen there" in line
+    assert "loading" not in r.stderr

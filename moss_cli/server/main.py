@@ -3,6 +3,7 @@ finishes the picture being made, and exits 0. A model that fails to load stops t
 
 import importlib.util
 import signal
+import socket
 import threading
 
 import click
@@ -14,7 +15,19 @@ from ..progress import Progress
 DEFAULT_PORT = 8000
 
 
-def _serve(engine, app, host, port, quiet):
+def _listen(host, port):
+    """A socket bound to HOST:PORT, before the model loads: a port in use is one line at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
+def _serve(engine, app, sock, quiet):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -29,7 +42,7 @@ def _serve(engine, app, host, port, quiet):
             engine.close()          # waiting requests answered 503 at once; the one being made finishes
             await super().shutdown(sockets)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning" if quiet else "info",
+    config = uvicorn.Config(app, log_level="warning" if quiet else "info",
                             access_log=not quiet, timeout_graceful_shutdown=None)
     server = Server(config)
 
@@ -39,7 +52,7 @@ def _serve(engine, app, host, port, quiet):
             server.should_exit = True
 
     threading.Thread(target=stop_on_failed_load, name="load-watch", daemon=True).start()
-    server.run()
+    server.run(sockets=[sock])
     if engine.state == "failed":
         raise engine.error
     if not server.force_exit:
@@ -72,13 +85,14 @@ def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, quiet
     checkpoint = open_checkpoint(model_dir)
     api_key = api_key or None        # an empty $MOSS_API_KEY is no key
     engine = Engine(checkpoint, device=device, gpu_memory=gpu_memory, max_queue=max_queue, progress=progress)
+    sock = _listen(host, port)
     chosen = engine.devices
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}; "
-                  f"http://{host}:{port}" + (", API key required" if api_key else ""))
+                  f"http://{host}:{sock.getsockname()[1]}" + (", API key required" if api_key else ""))
     engine.start()
-    _serve(engine, create_app(engine, api_key=api_key), host, port, quiet)
+    _serve(engine, create_app(engine, api_key=api_key), sock, quiet)
 
 
 def server_command():
