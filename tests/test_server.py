@@ -169,6 +169,7 @@ BAD = [
     ({"seed": 2**64 - 1, "n": 2}, "seed", "out of the range"),       # the second picture's seed
     ({"skip_start": 0.5, "skip_stop": 0.2}, "skip_start", "0 <= start <= stop <= 1"),
     ({"uncond_skip_layers": "22x"}, "uncond_skip_layers", "give block indices"),
+    ({"uncond_skip_layers": [22, "x"]}, "uncond_skip_layers", "valid"),
     ({"steps": 2}, "steps", "Extra inputs are not permitted"),
 ]
 

@@ -183,7 +183,7 @@ def create_app(engine, api_key=None, kept=None):
             return schema.model_validate({k: v for k, v in value.items() if v is not None})   # null: the default
         except ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = str(first["loc"][0]) if first["loc"] else None     # the field; deeper parts name union members
             raise ApiError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
     def make(fields, **given):
