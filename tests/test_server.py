@@ -384,3 +384,22 @@ def test_recent_keeps_the_entries_last_set_or_read():
     assert recent.get("a") == 1
     recent["c"] = 3
     assert list(recent) == ["a", "c"] and recent.get("b") is None
+
+
+def test_the_next_waiting_requests_noise_is_drawn_while_the_picture_before_it_denoises(engine, url, monkeypatch):
+    from moss_cli import stages
+    taken, real = [], stages.Model.noise
+
+    def spy(self, shape, seed, kernel):
+        taken.append((seed, self._ahead[0][1] if self._ahead else None))
+        return real(self, shape, seed, kernel)
+
+    monkeypatch.setattr(stages.Model, "noise", spy)
+    with held(engine) as gate:
+        first = Background(lambda: post(url, {"prompt": "a fox", "seed": 5, "n": 2, **TINY}))
+        until(lambda: engine.running is not None, "the first request to start")
+        second = Background(lambda: post(url, {"prompt": "a fox", "seed": 9, **TINY}))
+        until(lambda: engine.depth == 1, "the second request to wait")
+        gate.set()
+        assert [x.result().status_code for x in (first, second)] == [200, 200]
+    assert taken == [(5, None), (6, 6), (9, 9)]

@@ -218,15 +218,17 @@ class Engine:
                 if not self._queue:
                     return
                 request = self._running = self._queue.popleft()
+                request.future.set_running_or_notify_cancel()
             try:
-                if request.future.set_running_or_notify_cancel():
-                    try:
-                        request.future.set_result(self._make(request))
-                    except Exception as e:         # fails this request only; the engine goes on
-                        request.future.set_exception(e)
-            finally:
-                with self._lock:
-                    self._running = None
+                pictures, error = self._make(request), None
+            except Exception as e:             # fails this request only; the engine goes on
+                pictures, error = None, e
+            with self._lock:
+                self._running = None           # before the answer: a client that has it finds the engine idle
+            if error is None:
+                request.future.set_result(pictures)
+            else:
+                request.future.set_exception(error)
 
     def _load(self):
         self.model_for, _ = batch.open_models(self.checkpoint, self.device, self.progress)
@@ -248,6 +250,15 @@ class Engine:
                 break
         return pictures
 
+    def _next_seed(self, options):
+        """The first seed of the next waiting request when its noise has the shape and kernel of OPTIONS': that
+        noise is then drawn on a host thread while this picture denoises (Model.draw_noise_ahead)."""
+        with self._lock:
+            waiting = self._queue[0].options if self._queue else None
+        if waiting and (waiting.width, waiting.height, waiting.noise) == (options.width, options.height, options.noise):
+            return waiting.seed
+        return None
+
     def _pictures(self, prompt, negative, options, count):
         """The COUNT pictures of a prompt, seeds options.seed + i, one at a time (a generator)."""
         key = (prompt, negative if options.cfg else None)
@@ -260,8 +271,8 @@ class Engine:
         for i, seed in enumerate(seeds):
             began = time.perf_counter()
             self.progress.start_clock()
-            _, pixels, text = batch.made(self.model_for, enc, dataclasses.replace(options, seed=seed),
-                                         self.fingerprint, next_seed=seeds[i + 1] if i + 1 < count else None)
+            _, pixels, text = batch.made(self.model_for, enc, dataclasses.replace(options, seed=seed), self.fingerprint,
+                                         next_seed=seeds[i + 1] if i + 1 < count else self._next_seed(options))
             png = encode_png(pixels, text)
             self.seconds = time.perf_counter() - began
             yield Picture(seed, png, json.loads(text["parameters"]))
