@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import artifacts, stages
+from .device import resolve
 from .errors import UsageError
 
 MAX_PICTURES = 10000                       # per run: a mistyped range fails at once, not after hours
+STAGES = ("encode", "denoise", "decode")
+COMPONENTS = {"encode": "encoder", "denoise": "transformer", "decode": "decoder"}   # the Model attribute of each
 FIELDS = ("seed", "index", "line")         # the placeholders of --picture
 
 SEED_HELP = ("Seed of torch's CPU generator, as for moss-denoise (-2**63 to 2**64-1). Several make one picture "
@@ -183,6 +186,55 @@ def keep_names(picture, several):
     return f"prompt-{picture.prompt.index}.enc", f"latents-{picture.prompt.index}-{picture.seed}.lat"
 
 
+def open_models(checkpoint, device, progress, gpu_memory=None, size=None, held=False):
+    """(model_for, {stage: device}): model_for(stage) is the stages.Model of the device STAGE resolves to, one
+    per device, made on first use, so every component loads once. The GPU memory plan (stages.memory_plan for
+    the picture `size`, within `gpu_memory` GB; `held`: every component kept loaded, as a server keeps them) is
+    made as soon as the driver answers and said in one line; the encoder's and the transformer's weights start
+    for the GPU then, as far as the plan keeps them there from the start (stages.preload_gpu_weights), while the
+    kernel library is imported."""
+    size = size or (stages.DEFAULT_SIZE, stages.DEFAULT_SIZE)
+
+    def planner(memory):
+        made = stages.memory_plan(checkpoint, STAGES, gpu_memory, size, memory, held=held)
+        progress.note(made.line())
+        return made
+    preloaded, plan = stages.preload_gpu_weights(checkpoint, device, planner=planner)
+    models = {}
+
+    def model_for(stage):
+        nonlocal plan
+        chosen = resolve(device, stage)
+        if chosen == "cuda" and plan is None:
+            plan = planner(None)
+        if chosen not in models:
+            models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress,
+                                          plan=plan if chosen == "cuda" else None)
+        return models[chosen]
+
+    chosen = {stage: resolve(device, stage) for stage in STAGES}
+    if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
+        from .ops.cuda_preload import discard
+        discard()
+    return model_for, chosen
+
+
+def encoded(model_for, text, negative, options, fingerprint, negative_cache):
+    """(ENC bytes, the parsed ENC) of a prompt, with NEGATIVE when the options run a negative pass."""
+    enc_bytes = stages.encode(model_for("encode"), text, negative if options.cfg else None,
+                              negative_cache=negative_cache)
+    return enc_bytes, artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
+
+
+def made(model_for, enc, options, fingerprint, next_seed=None):
+    """(LAT bytes, pixels, PNG text) of one picture of a parsed ENC: what moss-image writes for it, the PNG
+    being png.encode_png(pixels, text). NEXT_SEED as for stages.denoise."""
+    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, options, next_seed=next_seed)
+    lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
+    pixels, text = stages.decode_pixels(model_for("decode"), lat)
+    return lat_bytes, pixels, text
+
+
 def _write_png(path, pixels, text):
     from .png import encode_png
     artifacts.write(path, encode_png(pixels, text))
@@ -224,35 +276,33 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
         # the GPU's components made before the first encode: the encoder's and then the transformer's weights
         # go to the GPU on the uploader's thread while the encoder's first pass runs (CudaOps.preload), and the
         # decoder's weight splits run on a host thread (CudaDecoder)
-        for stage, part in (("encode", "encoder"), ("denoise", "transformer"), ("decode", "decoder")):
+        for stage, part in COMPONENTS.items():
             if model_for(stage).device == "cuda" and not (phased and stage != "encode"):
                 getattr(model_for(stage), part)
     negative_cache = {}
 
-    def encoded(text, group):
-        enc_bytes = stages.encode(encoder, text, negative if options.cfg else None, negative_cache=negative_cache)
+    def kept_encoding(text, group):
+        enc_bytes, enc = encoded(model_for, text, negative, options, fingerprint, negative_cache)
         if keep is not None:
             for picture in {picture.prompt.index: picture for picture in group}.values():
                 artifacts.write(Path(keep) / keep_names(picture, several)[0], enc_bytes)
-        return artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
+        return enc
 
     encs = {}
     if phased:
-        encs = {text: encoded(text, group) for text, group in groups.items()}
+        encs = {text: kept_encoding(text, group) for text, group in groups.items()}
         encoder.release_encoder()
     number = 0
     for text, group in groups.items():
-        enc = encs.pop(text) if phased else encoded(text, group)
+        enc = encs.pop(text) if phased else kept_encoding(text, group)
         for picture in group:
             number += 1
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
-            lat_bytes, _ = stages.denoise(model_for("denoise"), enc, dataclasses.replace(options, seed=picture.seed),
-                                          next_seed=order[number].seed if number < len(order) else None)
+            lat_bytes, pixels, text = made(model_for, enc, dataclasses.replace(options, seed=picture.seed), fingerprint,
+                                           next_seed=order[number].seed if number < len(order) else None)
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
-            lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
-            pixels, text = stages.decode_pixels(model_for("decode"), lat)
             notes = [f"picture {number}/{len(pictures)}"] if several else []
             if keep is not None:
                 notes.append(f"ENC and LAT kept in {keep}")

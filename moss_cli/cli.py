@@ -121,28 +121,6 @@ def _foreign(progress, artifact):
         progress.warn(f"{artifact.source} has no moss-cli metadata: used as is, its model could not be checked")
 
 
-def _skip_layers(text):
-    text = text.strip()
-    if not text:
-        return ()
-    try:
-        return tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise UsageError(f"--uncond-skip-layers {text!r}: give block indices like 22 or 21,22, or '' for none") from None
-
-
-def _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise):
-    d = stages.sampling_defaults(model.checkpoint)
-    opts = stages.SamplingOptions(
-        seed=seed, steps=d["steps"] if steps is None else steps,
-        guidance=d["guidance"] if guidance is None else guidance,
-        width=d["width"] if width is None else width, height=d["height"] if height is None else height,
-        shift=d["shift"] if shift is None else shift, uncond_skip_layers=_skip_layers(skip_layers),
-        skip_start=skip_start, skip_stop=skip_stop, noise=noise)
-    opts.check()
-    return opts
-
-
 model_option = click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -225,7 +203,8 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     if trace:
         artifacts.check_writable(trace)
     model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height))
-    opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
+    opts = stages.sampling_options(model.checkpoint, seed, steps, guidance, width, height, shift, skip_layers,
+                                   skip_start, skip_stop, noise)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
     progress.start_clock()
     _foreign(progress, enc_artifact)
@@ -287,37 +266,15 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     from .checkpoint import open_checkpoint
     checkpoint = open_checkpoint(model_dir)
     size = _size(width, height)(checkpoint)
-    gpu_stages = ("encode", "denoise", "decode")
     if show_plan:
-        _memory_plan(checkpoint, resolve(device, "denoise"), gpu_stages, gpu_memory, size, True, progress)
-    # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
-    # (as much of them as the memory plan, made once the driver answers, keeps there from the start)
-    preloaded, plan = stages.preload_gpu_weights(
-        checkpoint, device, planner=lambda memory: stages.memory_plan(checkpoint, gpu_stages, gpu_memory, size, memory))
-    if plan is not None:
-        progress.note(plan.line())
-    models = {}
-
-    def model_for(stage):
-        nonlocal plan
-        chosen = resolve(device, stage)
-        if chosen == "cuda" and plan is None:
-            plan = _memory_plan(checkpoint, chosen, gpu_stages, gpu_memory, size, False, progress)
-        if chosen not in models:
-            models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress,
-                                          plan=plan if chosen == "cuda" else None)
-        return models[chosen]
-
-    chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+        _memory_plan(checkpoint, resolve(device, "denoise"), batch.STAGES, gpu_memory, size, True, progress)
+    model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size)
     _warn_cpu_dit(checkpoint, device, chosen["denoise"], progress)
-    if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
-        from .ops.cuda_preload import discard
-        discard()
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
-    opts = _sampling(model_for("denoise"), pictures[0].seed, steps, guidance, width, height, shift,
-                     skip_layers, skip_start, skip_stop, noise)
+    opts = stages.sampling_options(checkpoint, pictures[0].seed, steps, guidance, width, height, shift,
+                                   skip_layers, skip_start, skip_stop, noise)
     if not opts.cfg and _given("negative"):
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:

@@ -86,6 +86,32 @@ def sampling_defaults(checkpoint):
     return out
 
 
+def skip_layers(text):
+    """The blocks of --uncond-skip-layers: '22', '21,22', or '' for none."""
+    text = text.strip()
+    if not text:
+        return ()
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UsageError(f"--uncond-skip-layers {text!r}: give block indices like 22 or 21,22, or '' for none") from None
+
+
+def sampling_options(checkpoint, seed, steps=None, guidance=None, width=None, height=None, shift=None,
+                     uncond_skip_layers="22", skip_start=DEFAULT_SKIP_START, skip_stop=DEFAULT_SKIP_STOP,
+                     noise="avx2"):
+    """The checked options of the commands' flags; None takes the checkpoint's default (sampling_defaults)."""
+    d = sampling_defaults(checkpoint)
+    opts = SamplingOptions(
+        seed=seed, steps=d["steps"] if steps is None else steps,
+        guidance=d["guidance"] if guidance is None else guidance,
+        width=d["width"] if width is None else width, height=d["height"] if height is None else height,
+        shift=d["shift"] if shift is None else shift, uncond_skip_layers=skip_layers(uncond_skip_layers),
+        skip_start=skip_start, skip_stop=skip_stop, noise=noise)
+    opts.check()
+    return opts
+
+
 def _gpu_memory():
     """(free, total) bytes of the current GPU."""
     from numba import cuda
@@ -121,15 +147,16 @@ GPU_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer"}   # stages
 PLAN_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
 
 
-def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT_SIZE), memory=None):
+def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT_SIZE), memory=None, held=False):
     """The GPU memory plan (ops.memory_plan) for running `stages` in this process at this picture size, from the
     budget `gpu_memory` (GB, or $MOSS_GPU_MEMORY) within the GPU's free memory. `memory`: () -> (free, total)
-    bytes, numba's by default; None for it with no GPU but a given budget (a plan printed on any machine)."""
+    bytes, numba's by default; False with no GPU but a given budget (a plan printed on any machine); `held`: as
+    ops.memory_plan.make takes it."""
     from .ops import memory_plan as mp
     weights = {PLAN_COMPONENTS[s]: mp.component_weights(checkpoint.component(PLAN_COMPONENTS[s])) for s in stages}
     free = None if memory is False else (memory or _gpu_memory)()[0]
     budget, source = mp.budget_bytes(gpu_memory, free)
-    return mp.make(weights, stages, budget, source, size[0], size[1])
+    return mp.make(weights, stages, budget, source, size[0], size[1], held=held)
 
 
 def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planner=None):

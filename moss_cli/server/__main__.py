@@ -1,0 +1,3 @@
+from .main import server_command
+
+server_command()

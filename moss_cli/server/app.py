@@ -1,0 +1,274 @@
+"""The HTTP face of the engine (FastAPI): OpenAI's images API, a native PNG endpoint, the models and health.
+
+Thin by design: each endpoint checks its body into an engine.Request, queues it, and waits for its pictures;
+errors leave in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+import asyncio
+import base64
+import hmac
+import json
+import secrets
+import time
+from typing import Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .. import stages
+from ..errors import MossError, UsageError
+from .engine import Busy, Unavailable
+
+MAX_BODY = 1 << 20          # bytes of a request body
+KEEP_URLS = 64              # pictures kept for response_format url ...
+URL_SECONDS = 600           # ... and for how long
+POLL_SECONDS = 0.2          # how often a waiting request looks whether its client is still there
+
+
+class ApiError(Exception):
+    def __init__(self, status, message, kind="invalid_request_error", param=None, code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
+
+    def response(self):
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class Generation(BaseModel):
+    """POST /v1/images/generations: OpenAI's fields, SGLang's and vLLM-Omni's, and ours (shift, skip window)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str
+    n: int = 1
+    size: str = "auto"
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    model: Optional[str] = None
+    user: Optional[str] = None
+    negative_prompt: str = stages.DEFAULT_NEGATIVE
+    seed: Optional[int] = None
+    num_inference_steps: Optional[int] = None
+    guidance_scale: Optional[float] = None
+    shift: Optional[float] = None
+    uncond_skip_layers: Union[str, list[int]] = "22"
+    skip_start: float = stages.DEFAULT_SKIP_START
+    skip_stop: float = stages.DEFAULT_SKIP_STOP
+
+
+class Native(BaseModel):
+    """POST /v1/moss/image: moss-image's options under their own names, one picture."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str
+    negative: str = stages.DEFAULT_NEGATIVE
+    seed: Optional[int] = None
+    steps: Optional[int] = None
+    guidance: Optional[float] = None
+    width: Optional[int] = None
+    height: Optional[int] = None
+    shift: Optional[float] = None
+    uncond_skip_layers: Union[str, list[int]] = "22"
+    skip_start: float = stages.DEFAULT_SKIP_START
+    skip_stop: float = stages.DEFAULT_SKIP_STOP
+    noise: Literal["avx2", "generic"] = "avx2"
+
+
+# the request field that each of SamplingOptions.check's options comes from
+OPENAI_FIELDS = {"--width": "size", "--height": "size", "--steps": "num_inference_steps",
+                 "--guidance": "guidance_scale", "--shift": "shift", "--seed": "seed", "--skip-start": "skip_start",
+                 "--skip-stop": "skip_stop", "--uncond-skip-layers": "uncond_skip_layers", "n": "n",
+                 "prompt": "prompt", "negative": "negative_prompt"}
+NATIVE_FIELDS = {"--width": "width", "--height": "height", "--steps": "steps", "--guidance": "guidance",
+                 "--shift": "shift", "--seed": "seed", "--skip-start": "skip_start", "--skip-stop": "skip_stop",
+                 "--uncond-skip-layers": "uncond_skip_layers", "prompt": "prompt", "negative": "negative"}
+
+
+class Kept:
+    """The PNGs of response_format url: the last KEEP, each for at most SECONDS."""
+
+    def __init__(self, keep=KEEP_URLS, seconds=URL_SECONDS, clock=time.monotonic):
+        self.keep, self.seconds, self.clock = keep, seconds, clock
+        self._pngs = {}          # id -> (when, png), oldest first
+
+    def put(self, png):
+        self._expire()
+        name = secrets.token_urlsafe(16)
+        self._pngs[name] = (self.clock(), png)
+        while len(self._pngs) > self.keep:
+            del self._pngs[next(iter(self._pngs))]
+        return name
+
+    def get(self, name):
+        self._expire()
+        found = self._pngs.get(name)
+        return found and found[1]
+
+    def _expire(self):
+        now = self.clock()
+        for name in [n for n, (when, _) in self._pngs.items() if now - when > self.seconds]:
+            del self._pngs[name]
+
+
+def _skip_layers(value):
+    return value if isinstance(value, str) else ",".join(str(i) for i in value)
+
+
+def _size(text, defaults):
+    if text == "auto":
+        return defaults["width"], defaults["height"]
+    w, x, h = text.partition("x")
+    if not (x and w.isascii() and h.isascii() and w.isdigit() and h.isdigit()):
+        raise ApiError(400, f"size {text!r}: give WIDTHxHEIGHT, e.g. 1024x1024, or auto", param="size",
+                       code="invalid_size")
+    return int(w), int(h)
+
+
+def _usage(error, fields):
+    """ApiError 400 of a UsageError, named after the request's field (its message names moss-image's option)."""
+    message = str(error)
+    flag = message.split(" ", 1)[0].rstrip(":")
+    field = fields.get(flag)
+    if field is not None and flag.startswith("--"):
+        message = message.replace(flag, flag[2:].replace("-", "_"), 1)
+    return ApiError(400, message, param=field, code="invalid_value")
+
+
+def create_app(engine, api_key=None, kept=None):
+    """The FastAPI app serving ENGINE; API_KEY (when given) is required as `Authorization: Bearer KEY`."""
+    app = FastAPI(title="moss-server", docs_url=None, redoc_url=None, openapi_url=None)
+    kept = kept or Kept()
+    model_id = engine.checkpoint.root.name
+    started = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, error):
+        return error.response()
+
+    @app.exception_handler(404)
+    async def _not_found(request, error):
+        return ApiError(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found").response()
+
+    @app.exception_handler(405)
+    async def _not_allowed(request, error):
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed").response()
+
+    def authorize(request: Request):
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(authorize)])   # every endpoint but /health
+
+    async def body(request, schema):
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY:
+            raise ApiError(413, f"the body is over {MAX_BODY} bytes", code="body_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY:
+                raise ApiError(413, f"the body is over {MAX_BODY} bytes", code="body_too_large")
+        try:
+            value = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not JSON ({e})", code="invalid_json") from None
+        if not isinstance(value, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            return schema.model_validate({k: v for k, v in value.items() if v is not None})   # null: the default
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = str(first["loc"][0]) if first["loc"] else None     # the field; deeper parts name union members
+            raise ApiError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+
+    def make(fields, **given):
+        try:
+            return engine.request(**given)
+        except UsageError as e:
+            raise _usage(e, fields) from None
+
+    async def pictures(request, job):
+        """The pictures of JOB once made; the job is withdrawn when the client leaves first."""
+        try:
+            engine.submit(job)
+        except Busy as e:
+            raise ApiError(429, str(e), kind="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except Unavailable as e:
+            raise ApiError(503, str(e), kind="server_error", code="unavailable") from None
+        waiting = asyncio.wrap_future(job.future)
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=POLL_SECONDS)
+            if not waiting.done() and await request.is_disconnected():
+                engine.withdraw(job)
+                waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+                return None
+        try:
+            return waiting.result()
+        except Unavailable as e:
+            raise ApiError(503, str(e), kind="server_error", code="unavailable") from None
+        except MossError as e:
+            raise ApiError(500, str(e), kind="server_error", code="picture_failed") from None
+        except Exception as e:       # a failure inside the picture fails this request, never the server
+            raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error", code="picture_failed") from None
+
+    @api.post("/v1/images/generations")
+    async def generations(request: Request):
+        req = await body(request, Generation)
+        width, height = _size(req.size, engine.defaults)
+        job = make(OPENAI_FIELDS, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
+                   steps=req.num_inference_steps, guidance=req.guidance_scale, width=width, height=height,
+                   shift=req.shift, uncond_skip_layers=_skip_layers(req.uncond_skip_layers),
+                   skip_start=req.skip_start, skip_stop=req.skip_stop)
+        made = await pictures(request, job)
+        if made is None:
+            return Response(status_code=499)
+        data = []
+        for picture in made:
+            if req.response_format == "url":
+                item = {"url": str(request.url_for("image", name=kept.put(picture.png)))}
+            else:
+                item = {"b64_json": base64.b64encode(picture.png).decode("ascii")}
+            data.append({**item, "revised_prompt": None, "parameters": picture.parameters})
+        return {"created": int(time.time()), "data": data}
+
+    @api.post("/v1/moss/image")
+    async def native(request: Request):
+        req = await body(request, Native)
+        job = make(NATIVE_FIELDS, prompt=req.prompt, negative=req.negative, seed=req.seed, steps=req.steps,
+                   guidance=req.guidance, width=req.width, height=req.height, shift=req.shift,
+                   uncond_skip_layers=_skip_layers(req.uncond_skip_layers), skip_start=req.skip_start,
+                   skip_stop=req.skip_stop, noise=req.noise)
+        made = await pictures(request, job)
+        if made is None:
+            return Response(status_code=499)
+        return Response(made[0].png, media_type="image/png", headers={"X-Moss-Seed": str(made[0].seed)})
+
+    @api.get("/v1/images/{name}", name="image")
+    async def image(name: str):
+        png = kept.get(name)
+        if png is None:
+            raise ApiError(404, f"no picture {name} (pictures are kept {URL_SECONDS} s, the last {kept.keep})",
+                           param="name", code="not_found")
+        return Response(png, media_type="image/png")
+
+    @api.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started,
+                                            "owned_by": "moss-cli"}]}
+
+    @app.get("/health")
+    async def health():
+        status = {"status": engine.state, "queue": engine.depth, "busy": engine.running is not None, "model": model_id,
+                  "devices": engine.devices}
+        if engine.error is not None:
+            status["error"] = str(engine.error)
+        return JSONResponse(status, status_code=200 if engine.state == "ready" else 503)
+
+    app.include_router(api)
+    return app
