@@ -1,6 +1,7 @@
 """Outputs that never clobber what they should not, and inputs that end in one line, not an internal error
 (pipeline.md: bad input gets one clear line and a non-zero exit; written files are whole or absent)."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -178,6 +179,8 @@ def test_closed_stdin_and_stdout_are_one_line(tmp_path, enc):
     assert r.returncode == 1 and "--prompt-file -: stdin is closed" in r.stderr.decode()
     r = run_closed(1, "moss-encode", "--prompt", "x", "--out", "-")
     assert r.returncode == 1 and "error: stdout is closed" in r.stderr.decode()
+    r = run_closed(1, "moss-image", "--prompt", "x", "--seed", "1", "--picture", "-")
+    assert r.returncode == 1 and "error: stdout is closed" in r.stderr.decode()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -212,8 +215,9 @@ def test_the_need_is_a_lower_bound_of_the_cpu_peak(stage, enc):
     model = stages.Model(open_checkpoint())
     options = stages.SamplingOptions(seed=1, steps=1, width=512, height=384)
     source = artifacts.read(enc, "encode", model.fingerprint)
-    model.transformer, model.decoder        # weights are not what the estimate counts
-    latents = artifacts.parse(stages.denoise(model, source, options)[0], "lat", "denoise") if stage == "decode" else None
+    for part in ("transformer", "decoder"):     # loaded first: weights are not what the estimate counts
+        getattr(model, part)
+    latents = artifacts.parse(stages.denoise(model, source, options)[0], "lat", "denoise")
     tracemalloc.start()
     try:
         if stage == "denoise":
@@ -298,7 +302,7 @@ def test_device_cuda_without_a_gpu_names_the_missing_gpu(tmp_path, enc, monkeypa
     assert "--device cuda: no NVIDIA GPU" in line and "nvmath-python is not installed (" not in line
     monkeypatch.setattr(device, "no_gpu", lambda: None)    # a GPU, and the extra missing: the extra is named
     ok, why = device.gpu_status()
-    if not ok and any(device.importlib.util.find_spec(m) is None for m in device.GPU_EXTRA):
+    if not ok and any(importlib.util.find_spec(m) is None for m in device.GPU_EXTRA):
         assert "not installed" in why and "no NVIDIA GPU" not in why
 
 
