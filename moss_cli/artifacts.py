@@ -11,6 +11,7 @@ orders the metadata differently on every call and artifacts must be the same byt
 
 import hashlib
 import os
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ def build(stage, tensors, metadata, fingerprint):
 def read_bytes(path):
     """The bytes of PATH, or of stdin for '-'."""
     if str(path) == "-":
+        if sys.stdin is None:
+            raise ArtifactError("stdin is closed; pipe an artifact in or give a file name")
         if sys.stdin.isatty():
             raise ArtifactError("stdin is a terminal; pipe an artifact in or give a file name")
         data = sys.stdin.buffer.read()
@@ -162,18 +165,43 @@ def read(path, stage, fingerprint=None):
     return parse(data, source, stage, fingerprint)
 
 
+def _kind_of(path):
+    """'regular', 'missing', 'folder', or what a special file is: 'device' (character), 'fifo' (also a
+    /dev/fd pipe) or 'other' (block device, socket)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "missing"
+    if stat.S_ISREG(mode):
+        return "regular"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISCHR(mode):
+        return "device"
+    return "fifo" if stat.S_ISFIFO(mode) else "other"
+
+
 def check_writable(path, suffix=None):
     """Fail before any compute when PATH cannot be written (its folder is missing or read-only, it names a
-    folder, or it lacks SUFFIX, e.g. '.png')."""
+    folder, or it lacks SUFFIX, e.g. '.png'). A character device or a FIFO is written in place, as stdout is."""
     if str(path) == "-":
+        if sys.stdout is None:
+            raise UsageError("stdout is closed; give a file name or redirect stdout")
         if sys.stdout.isatty():
             raise UsageError("stdout is a terminal; redirect it or pipe it into the next command")
         return
     if str(path).endswith(("/", os.sep)):
         raise UsageError(f"{path}: ends in {str(path)[-1]!r}, so it names a folder; give a file name")
     p = Path(path)
-    if p.is_dir():
+    found = _kind_of(p)
+    if found == "folder":
         raise UsageError(f"{path}: is a directory; give a file name")
+    if found in ("device", "fifo"):
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{path}: is not writable")
+        return
+    if found == "other":
+        raise UsageError(f"{path}: is a block device or a socket, not a file to write; give a file name")
     if suffix and p.suffix.lower() != suffix:
         raise UsageError(f"{path}: the file written is {suffix[1:].upper()}; give a name ending in {suffix} "
                          "(or - for stdout)")
@@ -184,9 +212,47 @@ def check_writable(path, suffix=None):
         raise UsageError(f"{path}: folder {folder} is not writable")
 
 
-def write(path, data):
-    """Write DATA to PATH through a temporary name and a rename, or to stdout for '-'."""
+def _identity(path):
+    """What names the file PATH writes or reads: its device and inode when it exists, else its resolved path;
+    None for stdin/stdout and for special files (written in place, never replaced)."""
     if str(path) == "-":
+        return None
+    found = _kind_of(path)
+    if found == "missing":
+        return os.path.normcase(os.path.realpath(path))
+    if found != "regular":
+        return None
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def check_apart(outputs, inputs=()):
+    """Refuse, before any work, an output that is one of the inputs or another output. OUTPUTS and INPUTS are
+    (what, path) pairs, e.g. ('--out', 'a.lat') and ('the input ENC', 'fox.enc')."""
+    seen = {}
+    for what, path in inputs:
+        key = _identity(path)
+        if key is not None:
+            seen.setdefault(key, (what, path, True))
+    for what, path in outputs:
+        key = _identity(path)
+        if key is None:
+            continue
+        if key in seen:
+            other, other_path, is_input = seen[key]
+            if is_input:
+                raise UsageError(f"{what} {path}: is {other} {other_path}; writing it would replace the input, "
+                                 "give another name")
+            raise UsageError(f"{other} {other_path} and {what} {path}: are one file; give each its own name")
+        seen[key] = (what, path, False)
+
+
+def write(path, data):
+    """Write DATA to PATH through a temporary name and a rename (a symbolic link's target is replaced, not the
+    link), or in place for stdout ('-'), a character device or a FIFO."""
+    if str(path) == "-":
+        if sys.stdout is None:
+            raise UsageError("stdout is closed; give a file name or redirect stdout")
         try:
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()
@@ -196,10 +262,13 @@ def write(path, data):
                 raise
             raise UsageError(f"stdout: cannot write ({e.strerror or e})") from None
         return
-    p = Path(path)
-    check_writable(p)
+    check_writable(path)
+    if _kind_of(path) in ("device", "fifo"):
+        _write_in_place(path, data)
+        return
+    p = Path(os.path.realpath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=p.parent if str(p.parent) else ".")
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".part", dir=p.parent)
     except OSError as e:
         raise UsageError(f"{path}: cannot write ({e.strerror or e})") from None
     try:
@@ -213,6 +282,15 @@ def write(path, data):
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_in_place(path, data):
+    """Write into a character device or a FIFO (which blocks until a reader opens it); never creates a file."""
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY), "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
 def _drop_stdout():

@@ -36,8 +36,9 @@ KEEP_HELP = ("Folder to keep the intermediate ENC and LAT files in, each written
              "if missing. One picture: prompt.enc and latents.lat; several: prompt-INDEX.enc per prompt and "
              "latents-INDEX-SEED.lat per picture.")
 
-_SEED = re.compile(r"-?\d+")
-_RANGE = re.compile(r"(-?\d+)-(-?\d+)")
+# ASCII digits only: int() would also take '1_000' and other scripts' digits
+_SEED = re.compile(r"-?[0-9]+")
+_RANGE = re.compile(r"(-?[0-9]+)-(-?[0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,14 @@ def check_seed(seed):
     return seed
 
 
+def parse_seed(value):
+    """The one seed of moss-denoise's --seed, written as each seed of moss-image's: 42, -5."""
+    text = str(value).strip()
+    if not _SEED.fullmatch(text):
+        raise UsageError(f"--seed {value!r}: give one seed, an integer such as 42 or -5")
+    return check_seed(int(text))
+
+
 def parse_seeds(values):
     """The seeds of one or more --seed values, in order: '42', '1,2,3', '10-13' (inclusive), '-5'."""
     seeds = []
@@ -67,7 +76,7 @@ def parse_seeds(values):
         for item in str(value).split(","):
             item = item.strip()
             if _SEED.fullmatch(item):
-                seeds.append(check_seed(int(item)))
+                seeds.append(parse_seed(item))
                 continue
             m = _RANGE.fullmatch(item)
             if not m:
@@ -98,6 +107,8 @@ def read_prompts(prompt, prompt_file):
         return [Prompt(prompt, 1, 1)]
     name = str(prompt_file)
     if name == "-":
+        if sys.stdin is None:
+            raise UsageError("--prompt-file -: stdin is closed; pipe the prompts in or give a file name")
         if sys.stdin.isatty():
             raise UsageError("--prompt-file -: stdin is a terminal; pipe the prompts in or give a file name")
         data = sys.stdin.buffer.read()
@@ -240,23 +251,26 @@ def _write_png(path, pixels, text):
     artifacts.write(path, encode_png(pixels, text))
 
 
-def run(pictures, options, negative, model_for, fingerprint, keep, progress):
-    """Make every picture, yielding (picture, note) as each is written: each distinct prompt text encoded
-    once, then its seeds denoised and decoded in turn; the kept ENC and LAT written as soon as they exist.
-    A picture's PNG is compressed and written in a second thread while the next picture is made (zlib runs
-    without the GIL); its (picture, note) comes once it is written, and a failed write raises then."""
+def run(pictures, options, negative, model_for, fingerprint, keep, progress, written):
+    """Make every picture: each distinct prompt text encoded once, then its seeds denoised and decoded in turn;
+    the kept ENC and LAT written as soon as they exist. A picture's PNG is compressed and written in a second
+    thread while the next picture is made (zlib runs without the GIL); that thread calls `written(picture,
+    note)` as soon as the file is written, and a failed write raises before the next picture's write."""
     from concurrent.futures import ThreadPoolExecutor
+
+    def write(picture, note, pixels, text):
+        _write_png(picture.path, pixels, text)
+        written(picture, note)
+
+    # leaving the pool waits for the last write, also on an interrupt: a PNG written is announced
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png") as writer:
         pending = None
-        for picture, note, pixels, text in _made(pictures, options, negative, model_for, fingerprint, keep, progress):
-            written = writer.submit(_write_png, picture.path, pixels, text)
+        for made in _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             if pending is not None:
-                pending[2].result()
-                yield pending[:2]
-            pending = (picture, note, written)
+                pending.result()
+            pending = writer.submit(write, *made)
         if pending is not None:
-            pending[2].result()
-            yield pending[:2]
+            pending.result()
 
 
 def _made(pictures, options, negative, model_for, fingerprint, keep, progress):

@@ -8,7 +8,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import MossError, UsageError, out_of_memory
+from .errors import CheckpointError, MossError, UsageError, out_of_memory
 from .progress import Progress
 
 
@@ -30,6 +30,9 @@ def _run(command, prog):
     except KeyboardInterrupt:
         click.echo(f"{prog}: interrupted", err=True)
         sys.exit(130)
+    except MemoryError as e:    # a size past the room check's lower bound: still bad input, not a bug
+        click.echo(f"{prog}: error: out of memory ({e}); give a smaller size", err=True)
+        sys.exit(1)
     except BrokenPipeError:
         sys.exit(1)
     except Exception as e:  # a bug: still one line, the traceback only on request
@@ -53,9 +56,8 @@ def _gpu_memory_now():
 def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None):
     """The stage's Model on its device, with its GPU memory plan; `size` (width, height), or a function of the
     checkpoint giving it (the decoder's comes from its LAT)."""
-    from .checkpoint import open_checkpoint
     chosen = resolve(device, stage)
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = _checkpoint(model_dir)
     if callable(size):
         size = size(checkpoint)
     plan = _memory_plan(checkpoint, chosen, (stage,), gpu_memory, size, show_plan, progress)
@@ -97,6 +99,28 @@ def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, pr
     return plan
 
 
+def _checkpoint(model_dir):
+    """The checkpoint of --model, else of $MOSS_IMAGE_MODEL (named in its errors), else the embedded one."""
+    from .checkpoint import ENV, open_checkpoint
+    if model_dir is None and os.environ.get(ENV):
+        try:
+            return open_checkpoint(os.environ[ENV])
+        except CheckpointError as e:
+            raise CheckpointError(f"${ENV}: {e}") from None
+    return open_checkpoint(model_dir)
+
+
+def _text(option, text):
+    """TEXT, or one line when the command line held bytes that are not UTF-8 (Python keeps them as lone
+    surrogates, which the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = len(text[:e.start].encode("utf-8"))
+        raise UsageError(f"{option}: not UTF-8 text (byte {at})") from None
+    return text
+
+
 def _given(name):
     """Whether option NAME was given (on the command line or through the environment), not defaulted."""
     source = click.get_current_context().get_parameter_source(name)
@@ -121,6 +145,19 @@ def _foreign(progress, artifact):
         progress.warn(f"{artifact.source} has no moss-cli metadata: used as is, its model could not be checked")
 
 
+def _sampling(checkpoint, progress, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
+              noise):
+    """The checked sampling options (stages.sampling_options), and one warning when the schedule runs fewer
+    steps than asked."""
+    opts = stages.sampling_options(checkpoint, seed, steps, guidance, width, height, shift, skip_layers, skip_start,
+                                   skip_stop, noise)
+    runs = stages.steps_run(opts)
+    if runs != opts.steps:
+        progress.warn(f"--steps {opts.steps}: the schedule runs {runs} steps (steps that snap to one sigma of "
+                      "the training grid run once)")
+    return opts
+
+
 model_option = click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -141,7 +178,7 @@ version_option = click.version_option(__version__, message="%(prog)s (moss-cli) 
 def sampling_options(f, seed=None):
     """The sampling options; SEED replaces the --seed option (moss-image's takes several seeds)."""
     for opt in reversed([
-        seed or click.option("--seed", type=int, required=True,
+        seed or click.option("--seed", required=True, metavar="SEED",
                      help="Seed of torch's CPU generator, as torch.Generator.manual_seed takes it (-2**63 "
                           "to 2**64-1; a negative s means 2**64 + s). The initial noise is "
                           "torch.randn([1, channels, height/16, width/16]) from that generator, float32: torch's CPU "
@@ -180,6 +217,7 @@ def _encode(model_dir, prompt, negative, no_negative, device, gpu_memory, show_p
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
         raise UsageError("--negative and --no-negative conflict: give one of them")
+    prompt, negative = _text("--prompt", prompt), _text("--negative", negative)
     artifacts.check_writable(out)
     model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None))
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
@@ -199,12 +237,15 @@ def _encode(model_dir, prompt, negative, no_negative, device, gpu_memory, show_p
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
              noise, trace, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-denoise")
+    seed = batch.parse_seed(seed)
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
+    artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []), [("the input ENC", enc)])
     model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height))
-    opts = stages.sampling_options(model.checkpoint, seed, steps, guidance, width, height, shift, skip_layers,
-                                   skip_start, skip_stop, noise)
+    opts = _sampling(model.checkpoint, progress, seed, steps, guidance, width, height, shift, skip_layers,
+                     skip_start, skip_stop, noise)
+    stages.check_room(model.checkpoint, "denoise", opts.width, opts.height, model.device)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
     progress.start_clock()
     _foreign(progress, enc_artifact)
@@ -228,6 +269,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-decode")
     artifacts.check_writable(out, suffix=".png")
+    artifacts.check_apart([("--out", out)], [("the input LAT", lat)])
     read = {}
 
     def size(checkpoint):        # the picture's size from its latents: the LAT is read once, before the plan
@@ -238,6 +280,10 @@ def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
     model = _open(model_dir, device, "decode", progress, gpu_memory, show_plan, size)
     lat_artifact = read["lat"]
     _foreign(progress, lat_artifact)
+    latents = lat_artifact.tensors.get("latents")
+    if latents is not None and latents.ndim == 4:
+        stages.check_room(model.checkpoint, "decode", latents.shape[3] * stages.PATCH,
+                          latents.shape[2] * stages.PATCH, model.device)
     artifacts.write(out, stages.decode(model, lat_artifact))
     _wrote(progress, out, "PNG")
 
@@ -260,28 +306,41 @@ def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
            skip_start, skip_stop, noise, picture, keep, device, gpu_memory, show_plan, quiet):
     progress = Progress(quiet, "moss-image")
+    prompt, negative = (None if prompt is None else _text("--prompt", prompt)), _text("--negative", negative)
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
-    from .checkpoint import open_checkpoint
-    checkpoint = open_checkpoint(model_dir)
-    size = _size(width, height)(checkpoint)
+    outputs = [("--picture", p.path) for p in pictures]
+    if keep is not None:
+        several = len(pictures) > 1
+        kept = {name for p in pictures for name in batch.keep_names(p, several)}
+        outputs += [("--keep", keep / name) for name in sorted(kept)]
+    artifacts.check_apart(outputs, [("--prompt-file", prompt_file)] if prompt_file not in (None, "-") else [])
+    checkpoint = _checkpoint(model_dir)
+    opts = _sampling(checkpoint, progress, pictures[0].seed, steps, guidance, width, height, shift,
+                     skip_layers, skip_start, skip_stop, noise)
+    size = (opts.width, opts.height)
     if show_plan:
         _memory_plan(checkpoint, resolve(device, "denoise"), batch.STAGES, gpu_memory, size, True, progress)
+    # the devices resolve after the preload (which must start before the kernel library is imported): until
+    # then only the host's part of a GPU run is checked, and a stage that auto puts on the CPU is checked again
+    for stage in ("denoise", "decode"):
+        stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu" if device == "cpu" else "cuda")
     model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size)
+    for stage in ("denoise", "decode"):
+        if device != "cpu" and chosen[stage] == "cpu":
+            stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu")
     _warn_cpu_dit(checkpoint, device, chosen["denoise"], progress)
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
-    opts = stages.sampling_options(checkpoint, pictures[0].seed, steps, guidance, width, height, shift,
-                                   skip_layers, skip_start, skip_stop, noise)
     if not opts.cfg and _given("negative"):
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:
         _make_folder(keep, "--keep")
-    # each stage's file kept as soon as it exists, so an interrupted run keeps it
-    for done, extra in batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress):
-        _wrote(progress, done.path, "PNG", extra)
+    # each stage's file kept as soon as it exists, so an interrupted run keeps it; each PNG announced once written
+    batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress,
+              lambda done, extra: _wrote(progress, done.path, "PNG", extra))
 
 
 def encode_command():

@@ -9,11 +9,12 @@ import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
 from . import artifacts, schedule
-from .errors import ArtifactError, DeviceError, UsageError
+from .errors import ArtifactError, CheckpointError, DeviceError, UsageError
 from .ops import numpy_ops
 from .progress import Silent
 
@@ -77,6 +78,70 @@ class SamplingOptions:
                 "moss.noise": self.noise}
 
 
+def steps_run(options):
+    """The steps the schedule runs for the options: fewer than asked when snapping to the training grid
+    makes neighbouring sigmas equal (schedule.sigmas drops the repeats)."""
+    return len(schedule.sigmas(options.steps, shift=options.shift)) - 1
+
+
+def check_finite(array, what):
+    """Refuse a stage's output holding NaN or infinities (weights holding them make such outputs)."""
+    if not np.all(np.isfinite(array)):
+        raise CheckpointError(f"{what} hold NaN or infinite values: the model's weights may hold them; "
+                              "nothing written")
+    return array
+
+
+# --- room: what a size needs of the host's memory --------------------------------------------
+
+def host_memory():
+    """Bytes of memory this process may use: the machine's physical memory, or its cgroup's limit if lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def host_need(checkpoint, stage, width, height, device):
+    """A lower bound of the host memory STAGE holds at once for a WIDTH x HEIGHT picture on DEVICE: the
+    noise draw (a uint64 and a float32 per element); on the CPU also the latents, the velocity, one DiT
+    block's activations per token and one block of attention scores and their softmax, or the decoder's first
+    full-size maps (the last up block's input, its normed copy, its first conv's output). On the GPU those
+    live in its memory, which its memory plan checks."""
+    from .ops.numpy_core import ATTENTION_BLOCK
+    from .vae import _config
+    tc = checkpoint.config("transformer")
+    tokens = (height // PATCH) * (width // PATCH)
+    channels = int(tc.get("latent_channels", 128))
+    if stage == "denoise":
+        need = 12 * channels * tokens
+        if device == "cpu":
+            block = 4 * tokens * (3 * channels + 4 * int(tc["dim"]) + 2 * int(tc["ffn_dim"]))
+            scores = 8 * int(tc["num_heads"]) * min(tokens, ATTENTION_BLOCK) * tokens
+            need = max(need, block + scores)
+        return need
+    pixels = width * height
+    need = 4 * channels * tokens + 3 * pixels
+    if device == "cpu":
+        widths = _config(checkpoint.config("vae"))["widths"]
+        entering = widths[1] if len(widths) > 1 else widths[0]    # what the last upsampler brings to full size
+        need = max(need, 4 * pixels * (2 * entering + widths[0]))
+    return need
+
+
+def check_room(checkpoint, stage, width, height, device, memory=None):
+    """Refuse, before any work, a picture size whose STAGE needs more host memory than the machine has.
+    `memory`: the bytes available (host_memory() by default)."""
+    need = host_need(checkpoint, stage, width, height, device)
+    have = host_memory() if memory is None else memory
+    if need > have:
+        doing = {"denoise": "denoising", "decode": "decoding"}[stage]
+        raise UsageError(f"{width}x{height}: {doing} needs at least {need / 1e9:.1f} GB of memory, and this "
+                         f"machine has {have / 1e9:.1f} GB; give a smaller --width/--height")
+
+
 def sampling_defaults(checkpoint):
     """Defaults from the checkpoint where it has them (shift; the demo's size/steps), else the spec's."""
     out = {"steps": DEFAULT_STEPS, "guidance": DEFAULT_GUIDANCE, "width": DEFAULT_SIZE, "height": DEFAULT_SIZE,
@@ -100,7 +165,9 @@ def skip_layers(text):
 def sampling_options(checkpoint, seed, steps=None, guidance=None, width=None, height=None, shift=None,
                      uncond_skip_layers="22", skip_start=DEFAULT_SKIP_START, skip_stop=DEFAULT_SKIP_STOP,
                      noise="avx2"):
-    """The checked options of the commands' flags; None takes the checkpoint's default (sampling_defaults)."""
+    """The checked options of the commands' flags; None takes the checkpoint's default (sampling_defaults). The
+    skip layers are checked against the transformer's blocks here, before any work."""
+    from .transformer import check_layers
     d = sampling_defaults(checkpoint)
     opts = SamplingOptions(
         seed=seed, steps=d["steps"] if steps is None else steps,
@@ -109,6 +176,7 @@ def sampling_options(checkpoint, seed, steps=None, guidance=None, width=None, he
         shift=d["shift"] if shift is None else shift, uncond_skip_layers=skip_layers(uncond_skip_layers),
         skip_start=skip_start, skip_stop=skip_stop, noise=noise)
     opts.check()
+    check_layers(opts.uncond_skip_layers, int(checkpoint.config("transformer")["num_layers"]))
     return opts
 
 
@@ -338,7 +406,8 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
         rows = cache.get(tuple(ids))
         if rows is None:
             model.progress.note(f"encoding {role}: {len(ids)} tokens")
-            rows = cache[tuple(ids)] = np.array(encoder(ids), dtype=np.float32)   # a copy: the cache keeps it
+            rows = np.array(encoder(ids), dtype=np.float32)   # a copy: the cache keeps it
+            cache[tuple(ids)] = check_finite(rows, f"the text encoder's rows for the {role}")
         tensors[f"{role}_rows"] = rows
         tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)
     meta = {"moss.prompt": prompt, "moss.device": model.device}
@@ -404,7 +473,10 @@ def denoise(model, enc, options, trace=False, next_seed=None):
         latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
                                  uncond_skip_layers=options.uncond_skip_layers,
                                  skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step)
+    check_finite(latents, "the denoised latents")
     meta = dict(options.metadata())
+    if n != options.steps:      # recorded only then, so a LAT whose steps all ran keeps its bytes
+        meta["moss.steps_run"] = n
     meta.update({"moss.enc_sha256": enc.sha256, "moss.prompt": enc.metadata.get("moss.prompt", ""),
                  "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",
                  "moss.device": model.device})
@@ -435,6 +507,9 @@ def png_parameters(lat):
             if value is not None and not math.isfinite(value):
                 value = None
         params[key] = "" if value is None and key not in PNG_NUMBERS else value
+    steps_run = lat.metadata.get("moss.steps_run", "")
+    if steps_run.isdigit():
+        params["steps_run"] = int(steps_run)
     params["moss_cli"] = lat.metadata.get("moss.version", "")
     if lat.foreign or lat.metadata.get("moss.input") == "foreign":
         params["input"] = "foreign"
@@ -463,6 +538,9 @@ def decode_pixels(model, lat):
     decoder = model.decoder
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
     # the GPU decoder rounds to uint8 on the device (ops.cuda_decoder); the CPU's pixels are vae.to_pixels
-    pixels = decoder.decode(x) if model.device == "cuda" else to_pixels(decoder(x))
+    if model.device == "cuda":
+        pixels = decoder.decode(x)
+    else:
+        pixels = to_pixels(check_finite(decoder(x), "the decoded pixels"))
     params = png_parameters(lat)
     return pixels, {"parameters": json.dumps(params, ensure_ascii=True, sort_keys=True)}

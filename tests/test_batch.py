@@ -178,8 +178,8 @@ def test_progress_eta_counts_the_steps_after_the_first(monkeypatch):
 
 
 def test_pngs_are_written_behind_the_next_picture_in_order_and_a_failed_write_raises(monkeypatch):
-    """batch.run writes each PNG in a second thread while the next picture is made: the pictures come out in
-    order, each once its file is written, and a write that fails raises before the run goes on."""
+    """batch.run writes each PNG in a second thread while the next picture is made: the pictures are announced
+    in order, each once its file is written, and a write that fails raises before the run goes on."""
     import threading
     made, written = [], []
 
@@ -201,18 +201,56 @@ def test_pngs_are_written_behind_the_next_picture_in_order_and_a_failed_write_ra
         def __init__(self, path):
             self.path = path
 
-    pics = [Pic(n) for n in ("a", "b", "c")]
     out = []
-    for picture, _ in batch.run(pics, None, None, None, None, None, None):
-        assert picture.path in written            # yielded once its file is written
+
+    def announce(picture, note):
+        assert picture.path in written            # announced once its file is written
         out.append(picture.path)
+
+    batch.run([Pic(n) for n in ("a", "b", "c")], None, None, None, None, None, None, announce)
     assert out == ["a", "b", "c"] == written
     made.clear()
-    got = batch.run([Pic("a"), Pic("bad"), Pic("c"), Pic("d")], None, None, None, None, None, None)
-    assert next(got)[0].path == "a"
+    out.clear()
     with pytest.raises(UsageError, match="bad: cannot write"):
-        next(got)
+        batch.run([Pic("a"), Pic("bad"), Pic("c"), Pic("d")], None, None, None, None, None, None, announce)
+    assert out == ["a"]
     assert [p.path for p in made] == ["a", "bad", "c"]   # the picture after the failed one was made, no more
+
+
+def test_each_png_is_announced_when_written_not_a_picture_later(monkeypatch):
+    """Picture 1's line comes while picture 2 is made (as soon as its file is written), and after a Ctrl-C
+    during picture 2 picture 1, written, has been announced."""
+    import threading
+    announced, seen_during_2 = [], []
+    first_written = threading.Event()
+
+    def fake_made(pictures, *args):
+        yield pictures[0], "", None, {}
+        assert first_written.wait(60)          # picture 2 is being made: picture 1's write ends meanwhile
+        seen_during_2.extend(announced)
+        yield pictures[1], "", None, {}
+        raise KeyboardInterrupt                # Ctrl-C while picture 3 is made
+
+    def fake_write(path, pixels, text):
+        pass
+
+    def announce(picture, note):
+        announced.append(picture)
+        if picture == "pic-1.png":
+            first_written.set()
+
+    class Pic(str):
+        @property
+        def path(self):
+            return str(self)
+
+    monkeypatch.setattr(batch, "_made", fake_made)
+    monkeypatch.setattr(batch, "_write_png", fake_write)
+    with pytest.raises(KeyboardInterrupt):
+        batch.run([Pic("pic-1.png"), Pic("pic-2.png"), Pic("pic-3.png")], None, None, None, None, None, None,
+                  announce)
+    assert seen_during_2 == ["pic-1.png"]
+    assert announced == ["pic-1.png", "pic-2.png"]     # picture 2's write, started before the Ctrl-C, ends too
 
 
 def test_a_noise_drawn_ahead_is_taken_only_by_its_own_picture_and_is_the_same_draw(monkeypatch):
@@ -264,8 +302,9 @@ def test_each_picture_takes_the_noise_drawn_ahead_of_it(tmp_path, monkeypatch):
     prompts.write_text("a red fox\na blue fox\n")
     pictures = batch.plan(None, str(prompts), ["7,11"], str(tmp_path / "f-{index}-{seed}.png"))
     options = stages.SamplingOptions(seed=0, width=32, height=32, steps=1)
-    done = list(batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, model.fingerprint,
-                          None, Silent()))
+    done = []
+    batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, model.fingerprint, None, Silent(),
+              lambda picture, note: done.append(picture))
     assert len(done) == 4
     assert taken == [(7, 7), (11, 11), (7, 7), (11, 11)]      # the first drawn before the first encode
 
@@ -303,6 +342,6 @@ def test_on_the_gpu_every_component_is_made_before_the_first_encode(tmp_path, mo
     options = stages.SamplingOptions(seed=0, width=32, height=32, steps=1)
     model = Named()
     with pytest.raises(Encoding) as at_encode:
-        list(batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, cpu.fingerprint, None,
-                       Silent()))
+        batch.run(pictures, options, stages.DEFAULT_NEGATIVE, lambda stage: model, cpu.fingerprint, None,
+                  Silent(), lambda picture, note: None)
     assert at_encode.value.args[0] == (["encoder", "transformer", "decoder"] if device == "cuda" else ["encoder"])
