@@ -39,10 +39,19 @@ def _run(command, prog):
         sys.exit(3)
 
 
-def _open(model_dir, device, stage, progress):
+def _checkpoint(model_dir, lora, progress):
+    """The checkpoint with the --lora adapters read and checked (merged as each component loads)."""
+    from . import lora as lora_io
     from .checkpoint import open_checkpoint
+    checkpoint = open_checkpoint(model_dir, lora=[lora_io.parse_spec(text) for text in lora])
+    for adapter in checkpoint.adapters:
+        progress.note(f"LoRA {adapter.describe()}")
+    return checkpoint
+
+
+def _open(model_dir, device, stage, progress, lora=()):
     chosen = resolve(device, stage)
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = _checkpoint(model_dir, lora, progress)
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {chosen}")
     return stages.Model(checkpoint, device=chosen, progress=progress)
 
@@ -97,6 +106,11 @@ model_option = click.option("--model", "model_dir", type=click.Path(path_type=Pa
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr.")
+lora_option = click.option(
+    "--lora", multiple=True, metavar="FILE[:SCALE]",
+    help="A LoRA or LoKr adapter (diffusers/peft, kohya/LyCORIS or ComfyUI keys) merged into the weights at "
+         "load, at SCALE (default 1); repeatable. The adapted model is another model: give every command of "
+         "a chain the same --lora options.")
 version_option = click.version_option(__version__, message="%(prog)s (moss-cli) %(version)s")
 
 
@@ -133,16 +147,17 @@ def sampling_options(f, seed=None):
 @click.option("--prompt", required=True)
 @click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
 @click.option("--no-negative", is_flag=True, help="Encode no negative (only for --guidance 1).")
+@lora_option
 @device_option
 @click.option("--out", required=True, help="ENC file, or - for stdout.")
 @quiet_option
 @version_option
-def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
+def _encode(model_dir, prompt, negative, no_negative, lora, device, out, quiet):
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
         raise UsageError("--negative and --no-negative conflict: give one of them")
     artifacts.check_writable(out)
-    model = _open(model_dir, device, "encode", progress)
+    model = _open(model_dir, device, "encode", progress, lora)
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
     _wrote(progress, out, "ENC")
 
@@ -152,19 +167,20 @@ def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
 @click.argument("enc")
 @sampling_options
 @click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
+@lora_option
 @device_option
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
 @version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
-             noise, trace, device, out, quiet):
+             noise, trace, lora, device, out, quiet):
     progress = Progress(quiet, "moss-denoise")
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
-    model = _open(model_dir, device, "denoise", progress)
+    model = _open(model_dir, device, "denoise", progress, lora)
     opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
-    enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
+    enc_artifact = artifacts.read(enc, "encode", model.fingerprint, bool(lora))
     progress.start_clock()
     _foreign(progress, enc_artifact)
     lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
@@ -179,15 +195,16 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @click.command(help="Decode a LAT file to an RGB PNG.")
 @model_option
 @click.argument("lat")
+@lora_option
 @device_option
 @click.option("--out", required=True, help="PNG file, or - for stdout.")
 @quiet_option
 @version_option
-def _decode(model_dir, lat, device, out, quiet):
+def _decode(model_dir, lat, lora, device, out, quiet):
     progress = Progress(quiet, "moss-decode")
     artifacts.check_writable(out, suffix=".png")
-    model = _open(model_dir, device, "decode", progress)
-    lat_artifact = artifacts.read(lat, "denoise", model.fingerprint)
+    model = _open(model_dir, device, "decode", progress, lora)
+    lat_artifact = artifacts.read(lat, "denoise", model.fingerprint, bool(lora))
     _foreign(progress, lat_artifact)
     artifacts.write(out, stages.decode(model, lat_artifact))
     _wrote(progress, out, "PNG")
@@ -204,18 +221,19 @@ def _decode(model_dir, lat, device, out, quiet):
                                                   help=batch.SEED_HELP)))
 @click.option("--picture", required=True, help=batch.PICTURE_HELP)
 @click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
+@lora_option
 @device_option
 @quiet_option
 @version_option
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
-           skip_start, skip_stop, noise, picture, keep, device, quiet):
+           skip_start, skip_stop, noise, picture, keep, lora, device, quiet):
     progress = Progress(quiet, "moss-image")
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
-    from .checkpoint import open_checkpoint
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = _checkpoint(model_dir, lora, progress)
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
+    # (merged first when --lora names adapters: the preload sends the component's merged tensors)
     preloaded = stages.preload_gpu_weights(checkpoint, device)
     models = {}
 

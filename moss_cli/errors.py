@@ -19,3 +19,7 @@ class ArtifactError(MossError):
 
 class DeviceError(MossError):
     """The requested device cannot be used (no GPU, GPU extra not installed)."""
+
+
+class LoraError(MossError):
+    """An adapter file is unreadable, names tensors this model lacks, or does not fit their shapes."""
