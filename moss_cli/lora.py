@@ -59,6 +59,7 @@ SUFFIXES = {
 UNSUPPORTED = ("dora_scale", "lora_magnitude_vector", "lora_mid.weight", "lokr_t1", "lokr_t2", "hada_w1_a",
                "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lora_B.bias", "diff", "diff_b",
                "oft_blocks", "w_norm", "b_norm")
+FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
 FINGERPRINT_TAG = b"moss-cli lora fingerprint v1\n"
 SHOWN = 3          # offending keys named in one error line
 
@@ -162,8 +163,11 @@ def read(path, scale, shapes, stems=None):
     """The Adapter in the safetensors file PATH, every layer checked against the checkpoint's `shapes`
     ({component: {name: shape}}); `stems` an index(shapes) already made. Raises LoraError in one line."""
     path = Path(path)
+    if path.is_dir():       # peft's save_pretrained folder, or diffusers' save_lora_weights folder
+        path = next((path / f for f in FOLDER_FILES if (path / f).is_file()), path)
     if not path.is_file():
-        raise LoraError(f"--lora {path}: no such file" if not path.exists() else f"--lora {path}: not a file")
+        raise LoraError(f"--lora {path}: no such file" if not path.exists() else
+                        f"--lora {path}: a folder without {' or '.join(FOLDER_FILES)}")
     try:
         tensors, metadata = safetensors_io.load(path)
     except safetensors_io.SafetensorsError as e:

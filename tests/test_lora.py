@@ -173,6 +173,40 @@ def test_kohakumoss_export_styles_and_its_key_grouping_agree_with_ours(base):
         assert stems[lora._split(key)[0]].names == (path + ".weight",)
 
 
+def test_kohakumoss_fused_qkv_export_merges_as_its_three_parts(base, tmp_path, monkeypatch):
+    """kohakumoss's fused_lora (its FUSED_QKV export: one LoRA over q;k;v, each part's alpha / r folded into a
+    block-diagonal up, alpha = total rank) merges into the weights the three separate LoRAs give, and both
+    equal the float64 statement of each part."""
+    import sys
+    import types
+    formats = _kohakumoss("infer/formats")
+    for name in ("kohakumoss.adapters", "kohakumoss.adapters.infer"):     # skip the packages' __init__
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "kohakumoss.adapters.infer.formats", formats)
+    fused = _kohakumoss("export/fused")
+    g = torch.Generator().manual_seed(9)
+    parts, separate = {}, {}
+    for p, rank, alpha in (("q", 2, 1.0), ("k", 3, 6.0), ("v", 4, 4.0)):
+        up = (torch.randn(32, rank, generator=g) * 0.3).bfloat16().float()
+        down = (torch.randn(rank, 32, generator=g) * 0.3).bfloat16().float()
+        parts[p] = {"lora_up.weight": up, "lora_down.weight": down, "alpha": torch.tensor(alpha)}
+        separate.update({f"lora_unet_layers_4_proj_{p}.{k}": v.numpy() for k, v in parts[p].items()})
+    joint = fused.fused_lora(parts, {"q": 32, "k": 32, "v": 32})
+    safetensors_io.save(tmp_path / "fused.safetensors",
+                        {f"lora_unet_layers_4_proj_qkv.{k}": v.numpy() for k, v in joint.items()})
+    safetensors_io.save(tmp_path / "separate.safetensors", separate)
+    a = merged_tensors("transformer", (tmp_path / "fused.safetensors", 1.0))
+    b = merged_tensors("transformer", (tmp_path / "separate.safetensors", 1.0))
+    w = base.component("transformer").tensors
+    for p, t in parts.items():
+        name = f"layers.4.proj.{p}.weight"
+        delta = t["lora_up.weight"].double().numpy() @ t["lora_down.weight"].double().numpy() \
+            * float(t["alpha"]) / t["lora_down.weight"].shape[0]
+        want = (np.asarray(w[name], np.float64) + delta).astype(BF16)
+        assert ulps(a[name], want).max() <= 1 and ulps(b[name], want).max() <= 1
+        assert np.count_nonzero(ulps(a[name], w[name])) > 900
+
+
 # --- merged weights against peft ------------------------------------------------------------------------------
 
 def test_merge_equals_peft_merge_and_unload_from_its_own_saved_folder(peft_dit):
@@ -207,6 +241,14 @@ def test_scale_multiplies_the_delta_as_peft_scales_its_adapter(base, tmp_path):
             module.set_scale("default", 0.5)
     theirs = {n: p.detach().float().numpy().astype(BF16) for n, p in model.merge_and_unload().state_dict().items()}
     assert count_off(merged_tensors("transformer", (tmp_path / "adapter_model.safetensors", 0.5)), theirs) == (161, 0, 0)
+
+
+def test_rslora_folder_merges_as_peft(base, tmp_path):
+    """use_rslora: peft's factor is alpha / sqrt(r); the adapter given as peft's folder itself."""
+    model = peft_model(base, "transformer", 8, r=4, lora_alpha=3, use_rslora=True, rank_pattern={"proj.k": 9})
+    model.save_pretrained(tmp_path)
+    theirs = {n: p.detach().float().numpy().astype(BF16) for n, p in model.merge_and_unload().state_dict().items()}
+    assert count_off(merged_tensors("transformer", (tmp_path, 1.0)), theirs) == (161, 0, 0)
 
 
 def test_two_adapters_sum_in_float32_and_round_once(base, tmp_path):
