@@ -226,14 +226,16 @@ def merge(component, tensors, adapters):
         for scale, layer, i in uses:
             key = (id(layer), scale)
             if key not in deltas:
-                deltas[key] = layer.delta() * np.float32(scale * layer.factor)
+                deltas[key] = layer.delta()
+                deltas[key] *= np.float32(scale * layer.factor)
             start = sum(layer.target.rows[:i])
             part = deltas[key][start:start + layer.target.rows[i]]
-            total = part.copy() if total is None else total + part
+            total = part if total is None else total + part
             if i == len(layer.target.names) - 1:
                 del deltas[key]
         base = tensors[name]
-        merged = np.asarray(base, dtype=np.float32) + total
+        merged = np.array(base, dtype=np.float32)
+        merged += total
         out[name] = merged.astype(base.dtype) if base.dtype != np.float32 else merged
     return out
 
