@@ -73,7 +73,7 @@ class Target:
     path: str          # the module path as written after the root (what peft's alpha_pattern matches)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layer:
     target: Target
     kind: str          # "lora" | "lokr"
@@ -89,7 +89,7 @@ class Layer:
         return np.kron(_lokr_side(p, "w1"), _lokr_side(p, "w2"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Adapter:
     path: Path
     scale: float

@@ -480,6 +480,29 @@ def test_chain_records_the_adapter_and_refuses_other_models(base, tmp_path):
     assert denoise.code == 1 and "same --lora" in single_error(denoise)
 
 
+def test_encode_merges_text_encoder_adapters_and_records_every_adapter(base, tmp_path):
+    """A text-encoder adapter changes the rows; a DiT-only one leaves them as they were, and both are recorded
+    (the ENC belongs to the adapted model, so moss-denoise with the same --lora takes it)."""
+    rng = np.random.default_rng(10)
+    stem = "lora_te_layers_3_self_attn_q_proj"
+    out, inn = base.shapes()["text_encoder"]["layers.3.self_attn.q_proj.weight"]
+    safetensors_io.save(tmp_path / "te.safetensors", {stem + ".lora_up.weight": rng.standard_normal((out, 4)).astype(BF16),
+                                                      stem + ".lora_down.weight": rng.standard_normal((4, inn)).astype(BF16)})
+    dit = kohya_file(base, tmp_path / "dit.safetensors")
+    rows = {}
+    for name, extra in (("base", []), ("te", ["--lora", tmp_path / "te.safetensors"]), ("dit", ["--lora", dit])):
+        r = run("moss-encode", "--prompt", "fox", "--out", tmp_path / f"{name}.enc", "--quiet", *extra)
+        assert r.code == 0, r.stderr
+        rows[name] = safetensors_io.load(tmp_path / f"{name}.enc")
+    assert not np.array_equal(rows["te"][0]["prompt_rows"], rows["base"][0]["prompt_rows"])
+    assert np.array_equal(rows["dit"][0]["prompt_rows"], rows["base"][0]["prompt_rows"])
+    assert json.loads(rows["dit"][1]["moss.lora"])[0]["sha256"] == hashlib.sha256(dit.read_bytes()).hexdigest()
+    assert len({meta["moss.model"] for _, meta in rows.values()}) == 3
+    r = run("moss-denoise", tmp_path / "dit.enc", "--seed", "1", *FAST, "--lora", dit, "--out", tmp_path / "x.lat",
+            "--quiet")
+    assert r.code == 0, r.stderr
+
+
 def test_base_artifacts_and_png_carry_no_lora_field(tmp_path):
     r = run("moss-image", "--prompt", "fox", "--seed", "3", *FAST, "--picture", tmp_path / "p.png",
             "--keep", tmp_path / "keep", "--quiet")
