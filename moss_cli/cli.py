@@ -39,20 +39,24 @@ def _run(command, prog):
         sys.exit(3)
 
 
-def _checkpoint(model_dir, lora, progress):
+def _checkpoint(model_dir, lora):
     """The checkpoint with the --lora adapters read and checked (merged as each component loads)."""
     from . import lora as lora_io
     from .checkpoint import open_checkpoint
-    checkpoint = open_checkpoint(model_dir, lora=[lora_io.parse_spec(text) for text in lora])
+    return open_checkpoint(model_dir, lora=[lora_io.parse_spec(text) for text in lora])
+
+
+def _note_model(progress, checkpoint, device):
+    """The model line (the device first of all notes), then one line per adapter."""
+    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {device}")
     for adapter in checkpoint.adapters:
         progress.note(f"LoRA {adapter.describe()}")
-    return checkpoint
 
 
 def _open(model_dir, device, stage, progress, lora=()):
     chosen = resolve(device, stage)
-    checkpoint = _checkpoint(model_dir, lora, progress)
-    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {chosen}")
+    checkpoint = _checkpoint(model_dir, lora)
+    _note_model(progress, checkpoint, chosen)
     return stages.Model(checkpoint, device=chosen, progress=progress)
 
 
@@ -231,7 +235,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
-    checkpoint = _checkpoint(model_dir, lora, progress)
+    checkpoint = _checkpoint(model_dir, lora)
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
     # (merged first when --lora names adapters: the preload sends the component's merged tensors)
     preloaded = stages.preload_gpu_weights(checkpoint, device)
@@ -249,7 +253,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         discard()
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
-    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
+    _note_model(progress, checkpoint, on)
     opts = _sampling(model_for("denoise"), pictures[0].seed, steps, guidance, width, height, shift,
                      skip_layers, skip_start, skip_stop, noise)
     if not opts.cfg and _given("negative"):

@@ -470,8 +470,11 @@ def test_chain_records_the_adapter_and_refuses_other_models(base, tmp_path):
     assert "give every command of a chain the same --lora" in single_error(refused)
     other = run("moss-decode", lat, "--lora", f"{adapter}:0.5", "--out", tmp_path / "d.png")
     assert other.code == 1 and "made with another model" in single_error(other)
-    ok = run("moss-decode", lat, "--lora", spec, "--out", tmp_path / "d.png", "--quiet")
+    ok = run("moss-decode", lat, "--lora", spec, "--out", tmp_path / "d.png")
     assert ok.code == 0, ok.stderr
+    lines = ok.stderr.splitlines()
+    assert lines[0].startswith("moss-decode: model ") and lines[0].endswith(", device cpu")
+    assert lines[1] == "moss-decode: LoRA k.safetensors (kohya, 144 transformer layers) at scale 0.8"
     assert (tmp_path / "d.png").read_bytes() == (tmp_path / "img.png").read_bytes()
     plain = run("moss-encode", "--prompt", "fox", "--out", tmp_path / "plain.enc", "--quiet")
     assert plain.code == 0
