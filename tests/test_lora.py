@@ -240,7 +240,8 @@ def test_scale_multiplies_the_delta_as_peft_scales_its_adapter(base, tmp_path):
         if isinstance(module, peft.tuners.lora.LoraLayer):
             module.set_scale("default", 0.5)
     theirs = {n: p.detach().float().numpy().astype(BF16) for n, p in model.merge_and_unload().state_dict().items()}
-    assert count_off(merged_tensors("transformer", (tmp_path / "adapter_model.safetensors", 0.5)), theirs) == (161, 0, 0)
+    ours = merged_tensors("transformer", (tmp_path / "adapter_model.safetensors", 0.5))
+    assert count_off(ours, theirs) == (161, 0, 0)
 
 
 def test_rslora_folder_merges_as_peft(base, tmp_path):
@@ -287,14 +288,19 @@ def test_lokr_equals_lycoris_formula_in_float64(base, tmp_path):
     whole the factor is 1 whatever alpha says. Written here in float64 and rounded once."""
     rng = np.random.default_rng(4)
     mats = lambda *s: (rng.standard_normal(s) * 0.4).astype(BF16)
+    kron = lambda w1, w2: np.kron(w1, w2)
     layers = {   # path: (stored parts, float64 delta)
-        "layers.0.proj.q": ({"lokr_w1": mats(4, 4), "lokr_w2_a": mats(8, 2), "lokr_w2_b": mats(2, 8),
-                             "alpha": np.array(1.0, np.float32)}, lambda p: np.kron(p["lokr_w1"], p["lokr_w2_a"] @ p["lokr_w2_b"]) * 1.0 / 2),
-        "layers.3.proj.ffn_up_gate": ({"lokr_w1_a": mats(8, 3), "lokr_w1_b": mats(3, 4), "lokr_w2_a": mats(16, 3),
-                                       "lokr_w2_b": mats(3, 8), "alpha": np.array(6.0, np.float32)},
-                                      lambda p: np.kron(p["lokr_w1_a"] @ p["lokr_w1_b"], p["lokr_w2_a"] @ p["lokr_w2_b"]) * 6.0 / 3),
-        "layers.7.proj.ffn_down": ({"lokr_w1": mats(2, 8), "lokr_w2": mats(16, 8), "alpha": np.array(5.0, np.float32)},
-                                   lambda p: np.kron(p["lokr_w1"], p["lokr_w2"])),
+        "layers.0.proj.q": (
+            {"lokr_w1": mats(4, 4), "lokr_w2_a": mats(8, 2), "lokr_w2_b": mats(2, 8),
+             "alpha": np.array(1.0, np.float32)},
+            lambda p: kron(p["lokr_w1"], p["lokr_w2_a"] @ p["lokr_w2_b"]) * 1.0 / 2),
+        "layers.3.proj.ffn_up_gate": (
+            {"lokr_w1_a": mats(8, 3), "lokr_w1_b": mats(3, 4), "lokr_w2_a": mats(16, 3), "lokr_w2_b": mats(3, 8),
+             "alpha": np.array(6.0, np.float32)},
+            lambda p: kron(p["lokr_w1_a"] @ p["lokr_w1_b"], p["lokr_w2_a"] @ p["lokr_w2_b"]) * 6.0 / 3),
+        "layers.7.proj.ffn_down": (      # both whole: factor 1, alpha 5 ignored
+            {"lokr_w1": mats(2, 8), "lokr_w2": mats(16, 8), "alpha": np.array(5.0, np.float32)},
+            lambda p: kron(p["lokr_w1"], p["lokr_w2"])),
     }
     tensors = {}
     for path, (parts, _) in layers.items():
@@ -489,8 +495,9 @@ def test_encode_merges_text_encoder_adapters_and_records_every_adapter(base, tmp
     rng = np.random.default_rng(10)
     stem = "lora_te_layers_3_self_attn_q_proj"
     out, inn = base.shapes()["text_encoder"]["layers.3.self_attn.q_proj.weight"]
-    safetensors_io.save(tmp_path / "te.safetensors", {stem + ".lora_up.weight": rng.standard_normal((out, 4)).astype(BF16),
-                                                      stem + ".lora_down.weight": rng.standard_normal((4, inn)).astype(BF16)})
+    safetensors_io.save(tmp_path / "te.safetensors",
+                        {stem + ".lora_up.weight": rng.standard_normal((out, 4)).astype(BF16),
+                         stem + ".lora_down.weight": rng.standard_normal((4, inn)).astype(BF16)})
     dit = kohya_file(base, tmp_path / "dit.safetensors")
     rows = {}
     for name, extra in (("base", []), ("te", ["--lora", tmp_path / "te.safetensors"]), ("dit", ["--lora", dit])):
