@@ -513,6 +513,29 @@ def test_encode_merges_text_encoder_adapters_and_records_every_adapter(base, tmp
     assert r.code == 0, r.stderr
 
 
+def test_picture_with_peft_adapter_equals_the_picture_of_peft_merged_checkpoint(peft_dit, tmp_path):
+    """The graph reads the merged weights: a copy of the tiny checkpoint holding peft's merge_and_unload weights
+    makes, without --lora, the pixels the embedded checkpoint makes with --lora and peft's saved folder."""
+    from cli_util import copy_model
+    from moss_cli.png import decode_png
+    file, theirs = peft_dit
+    model = copy_model(tmp_path)
+    for shard in sorted((model / "transformer").glob("*.safetensors")):
+        tensors, meta = safetensors_io.load(shard)
+        tensors = {k: theirs.get(k, v) for k, v in tensors.items()}
+        safetensors_io.save(shard, tensors, meta)
+    args = ["--prompt", "fox", "--seed", "5", *FAST, "--quiet"]
+    a = run("moss-image", *args, "--model", model, "--picture", tmp_path / "merged.png")
+    b = run("moss-image", *args, "--lora", file.parent, "--picture", tmp_path / "lora.png")
+    c = run("moss-image", *args, "--picture", tmp_path / "base.png")
+    assert (a.code, b.code, c.code) == (0, 0, 0), a.stderr + b.stderr + c.stderr
+    pixels_a, text_a = decode_png((tmp_path / "merged.png").read_bytes())
+    pixels_b, text_b = decode_png((tmp_path / "lora.png").read_bytes())
+    assert np.array_equal(pixels_a, pixels_b)
+    assert not np.array_equal(pixels_b, decode_png((tmp_path / "base.png").read_bytes())[0])
+    assert "lora" in json.loads(text_b["parameters"]) and "lora" not in json.loads(text_a["parameters"])
+
+
 def test_base_artifacts_and_png_carry_no_lora_field(tmp_path):
     r = run("moss-image", "--prompt", "fox", "--seed", "3", *FAST, "--picture", tmp_path / "p.png",
             "--keep", tmp_path / "keep", "--quiet")
