@@ -381,12 +381,27 @@ def test_planted_alpha_ignored_is_caught(peft_dit, monkeypatch):
     assert off > 10000
 
 
-def test_planted_a_and_b_swapped_is_caught(peft_dit, monkeypatch):
+def test_planted_a_and_b_swapped_is_caught(base, peft_dit, tmp_path, monkeypatch):
+    """Swapped A and B: the shape check refuses the file, and where the shapes allow the swap (rank 32 on the
+    32 x 32 q weights: B A and A B are both [32, 32]) the comparison with peft catches every such weight."""
     file, _ = peft_dit
+    q = [p for p in linear_names(base, "transformer") if p.endswith("proj.q")]
+    model = peft.get_peft_model(torch_tree(base, "transformer"), peft.LoraConfig(target_modules=q, r=32))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(torch.bfloat16).float())
+    model.save_pretrained(tmp_path)
+    merged = model.merge_and_unload()
+    theirs = {n + ".weight": merged.get_submodule(n).weight.detach().float().numpy().astype(BF16) for n in q}
+    assert count_off(merged_tensors("transformer", (tmp_path, 1.0)), theirs) == (24, 0, 0)
     swapped = dict(lora.SUFFIXES, **{"lora_A.weight": ("peft", "up"), "lora_B.weight": ("peft", "down")})
     monkeypatch.setattr(lora, "SUFFIXES", swapped)
     with pytest.raises(LoraError, match="delta|rank mismatch"):
         merged_tensors("transformer", (file, 1.0))
+    ours = merged_tensors("transformer", (tmp_path, 1.0))
+    assert all(np.count_nonzero(ulps(ours[n], theirs[n])) > 500 for n in theirs)
 
 
 def test_planted_neighbour_key_is_caught(peft_dit, monkeypatch):
