@@ -83,8 +83,9 @@ def read_bytes(path):
         raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def parse(data, source, stage, fingerprint=None):
-    """Check stage, format and model of an artifact's bytes and return it."""
+def parse(data, source, stage, fingerprint=None, merged=False):
+    """Check stage, format and model of an artifact's bytes and return it. MERGED: this model has LoRA
+    adapters merged (the refusal then says how to match)."""
     if data[:len(PNG_SIGNATURE)] == PNG_SIGNATURE:
         raise ArtifactError(f"{source}: is a PNG picture, not {kind(stage)} file (a safetensors artifact)")
     try:
@@ -100,9 +101,11 @@ def parse(data, source, stage, fingerprint=None):
     if metadata.get("moss.format") != FORMAT:
         raise ArtifactError(f"{source}: artifact format {metadata.get('moss.format')!r} is not {FORMAT!r}")
     if fingerprint is not None and metadata.get("moss.model") != fingerprint:
+        lora = ("; a model with LoRA adapters is another model: give every command of a chain the same --lora "
+                "options" if merged or "moss.lora" in metadata else "")
         raise ArtifactError(
             f"{source}: made with another model (fingerprint {metadata.get('moss.model', '?')[:12]}, "
-            f"this model is {fingerprint[:12]})")
+            f"this model is {fingerprint[:12]}){lora}")
     return Artifact(dict(tensors), metadata, hashlib.sha256(data).hexdigest(), source)
 
 
@@ -160,9 +163,9 @@ def mark_foreign_input(data):
     return dumps({k: np.ascontiguousarray(v) for k, v in tensors.items()}, {**metadata, "moss.input": "foreign"})
 
 
-def read(path, stage, fingerprint=None):
+def read(path, stage, fingerprint=None, merged=False):
     data, source = read_bytes(path)
-    return parse(data, source, stage, fingerprint)
+    return parse(data, source, stage, fingerprint, merged)
 
 
 def _kind_of(path):

@@ -61,15 +61,27 @@ class _Weights:
 
 
 class Checkpoint:
-    """A validated MOSS-Image folder. Components are loaded (memory-mapped) on first request."""
+    """A validated MOSS-Image folder. Components are loaded (memory-mapped) on first request, with the
+    adapters' deltas merged into the weights they touch (lora.merge); `fingerprint` names the merged model
+    (lora.fingerprint), `base_fingerprint` the folder's own."""
 
-    def __init__(self, root, model_index, configs, weights, fingerprint):
+    def __init__(self, root, model_index, configs, weights, fingerprint, adapters=()):
         self.root = root
         self.model_index = model_index
-        self.fingerprint = fingerprint
+        self.base_fingerprint = fingerprint
+        self.adapters = tuple(adapters)
         self._configs = configs
         self._weights = weights
         self._loaded = {}
+        if self.adapters:
+            from . import lora
+            self.fingerprint = lora.fingerprint(fingerprint, self.adapters)
+        else:
+            self.fingerprint = fingerprint
+
+    def shapes(self):
+        """{component: {tensor name: shape}} from the safetensors headers (text-encoder prefix stripped)."""
+        return {name: {key: shape for key, (_, _, _, shape) in w.entries.items()} for name, w in self._weights.items()}
 
     def config(self, name):
         if name not in self._configs:
@@ -97,6 +109,9 @@ class Checkpoint:
                 if array is None or array.shape != shape:
                     raise CheckpointError(f"{folder / file}: changed since the checkpoint was opened ({stored})")
                 tensors[key] = array
+            if any(name in a.components for a in self.adapters):
+                from . import lora
+                tensors = lora.merge(name, tensors, self.adapters)
         return Component(name, folder, self.config(name), tensors)
 
     def __repr__(self):
@@ -117,11 +132,15 @@ def expected_tensors(name, config):
     raise KeyError(name)
 
 
-def open_checkpoint(path=None, *, expected=expected_tensors):
+def open_checkpoint(path=None, *, expected=expected_tensors, lora=()):
     """Open and validate a MOSS-Image folder: `path`, else $MOSS_IMAGE_MODEL, else the embedded tiny one.
 
     `expected(component, config) -> {name: shape}` lists what each graph reads (tests may pass their own).
-    Raises CheckpointError naming the folder, component, file, tensor or shape that is wrong.
+    `lora`: (adapter file, scale) pairs, each read and checked against the weights' shapes now and merged when
+    its components load; one at scale 0 changes no weight, so it is checked and then left out (the model is
+    the base one, its fingerprint too).
+    Raises CheckpointError naming the folder, component, file, tensor or shape that is wrong, LoraError for
+    an adapter that does not fit.
     """
     if path is None or str(path) == "":
         path = os.environ.get(ENV) or EMBEDDED
@@ -143,7 +162,15 @@ def open_checkpoint(path=None, *, expected=expected_tensors):
         if name in WEIGHT_FILES:
             weights[name] = _weights(root, name)
             _check(root, name, configs[name], weights[name], expected)
-    return Checkpoint(root, model_index, configs, weights, fingerprint(root, weights))
+    checkpoint = Checkpoint(root, model_index, configs, weights, fingerprint(root, weights))
+    if not lora:
+        return checkpoint
+    from . import lora as lora_io
+    shapes = checkpoint.shapes()
+    stems = lora_io.index(shapes)
+    adapters = [lora_io.read(file, scale, shapes, stems) for file, scale in lora]
+    return Checkpoint(root, model_index, configs, weights, checkpoint.base_fingerprint,
+                      [a for a in adapters if a.scale != 0])
 
 
 def fingerprint(root, weights):

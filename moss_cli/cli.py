@@ -53,17 +53,17 @@ def _gpu_memory_now():
     return stages._gpu_memory()
 
 
-def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None):
-    """The stage's Model on its device, with its GPU memory plan; `size` (width, height), or a function of the
-    checkpoint giving it (the decoder's comes from its LAT)."""
+def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None, lora=()):
+    """The stage's Model on its device, with its GPU memory plan and the --lora adapters; `size` (width, height),
+    or a function of the checkpoint giving it (the decoder's comes from its LAT)."""
     chosen = resolve(device, stage)
-    checkpoint = _checkpoint(model_dir)
+    checkpoint = _checkpoint(model_dir, lora)
     if callable(size):
         size = size(checkpoint)
     plan = _memory_plan(checkpoint, chosen, (stage,), gpu_memory, size, show_plan, progress)
     if stage == "denoise":
         _warn_cpu_dit(checkpoint, device, chosen, progress)
-    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {chosen}")
+    _note_model(progress, checkpoint, chosen)
     return stages.Model(checkpoint, device=chosen, progress=progress, plan=plan)
 
 
@@ -99,15 +99,25 @@ def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, pr
     return plan
 
 
-def _checkpoint(model_dir):
-    """The checkpoint of --model, else of $MOSS_IMAGE_MODEL (named in its errors), else the embedded one."""
+def _checkpoint(model_dir, lora=()):
+    """The checkpoint of --model, else of $MOSS_IMAGE_MODEL (named in its errors), else the embedded one, with the
+    --lora adapters read and checked (merged as each component loads)."""
+    from . import lora as lora_io
     from .checkpoint import ENV, open_checkpoint
+    adapters = [lora_io.parse_spec(text) for text in lora]
     if model_dir is None and os.environ.get(ENV):
         try:
-            return open_checkpoint(os.environ[ENV])
+            return open_checkpoint(os.environ[ENV], lora=adapters)
         except CheckpointError as e:
             raise CheckpointError(f"${ENV}: {e}") from None
-    return open_checkpoint(model_dir)
+    return open_checkpoint(model_dir, lora=adapters)
+
+
+def _note_model(progress, checkpoint, device):
+    """The model line (the device first of all notes), then one line per adapter."""
+    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {device}")
+    for adapter in checkpoint.adapters:
+        progress.note(f"LoRA {adapter.describe()}")
 
 
 def _text(option, text):
@@ -172,6 +182,13 @@ def memory_options(f):
     return click.option("--gpu-memory", default=None, metavar="GB",
                         help="GPU memory budget in GB [the GPU's free memory; $MOSS_GPU_MEMORY]. Weights that do "
                              "not fit stream from host memory; the output is the same.")(f)
+
+
+lora_option = click.option(
+    "--lora", multiple=True, metavar="FILE[:SCALE]",
+    help="A LoRA or LoKr adapter (diffusers/peft, kohya/LyCORIS or ComfyUI keys) merged into the weights at "
+         "load, at SCALE (default 1); repeatable. The adapted model is another model: give every command of "
+         "a chain the same --lora options.")
 version_option = click.version_option(__version__, message="%(prog)s (moss-cli) %(version)s")
 
 
@@ -208,18 +225,19 @@ def sampling_options(f, seed=None):
 @click.option("--prompt", required=True)
 @click.option("--negative", default=stages.DEFAULT_NEGATIVE, show_default=True)
 @click.option("--no-negative", is_flag=True, help="Encode no negative (only for --guidance 1).")
+@lora_option
 @device_option
 @memory_options
 @click.option("--out", required=True, help="ENC file, or - for stdout.")
 @quiet_option
 @version_option
-def _encode(model_dir, prompt, negative, no_negative, device, gpu_memory, show_plan, out, quiet):
+def _encode(model_dir, prompt, negative, no_negative, lora, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
         raise UsageError("--negative and --no-negative conflict: give one of them")
     prompt, negative = _text("--prompt", prompt), _text("--negative", negative)
     artifacts.check_writable(out)
-    model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None))
+    model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None), lora)
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
     _wrote(progress, out, "ENC")
 
@@ -229,24 +247,25 @@ def _encode(model_dir, prompt, negative, no_negative, device, gpu_memory, show_p
 @click.argument("enc")
 @sampling_options
 @click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
+@lora_option
 @device_option
 @memory_options
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
 @version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
-             noise, trace, device, gpu_memory, show_plan, out, quiet):
+             noise, trace, lora, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-denoise")
     seed = batch.parse_seed(seed)
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
     artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []), [("the input ENC", enc)])
-    model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height))
+    model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height), lora)
     opts = _sampling(model.checkpoint, progress, seed, steps, guidance, width, height, shift, skip_layers,
                      skip_start, skip_stop, noise)
     stages.check_room(model.checkpoint, "denoise", opts.width, opts.height, model.device)
-    enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
+    enc_artifact = artifacts.read(enc, "encode", model.fingerprint, bool(lora))
     progress.start_clock()
     _foreign(progress, enc_artifact)
     lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
@@ -261,23 +280,24 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @click.command(help="Decode a LAT file to an RGB PNG.")
 @model_option
 @click.argument("lat")
+@lora_option
 @device_option
 @memory_options
 @click.option("--out", required=True, help="PNG file, or - for stdout.")
 @quiet_option
 @version_option
-def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
+def _decode(model_dir, lat, lora, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-decode")
     artifacts.check_writable(out, suffix=".png")
     artifacts.check_apart([("--out", out)], [("the input LAT", lat)])
     read = {}
 
     def size(checkpoint):        # the picture's size from its latents: the LAT is read once, before the plan
-        read["lat"] = artifacts.read(lat, "denoise", checkpoint.fingerprint)
+        read["lat"] = artifacts.read(lat, "denoise", checkpoint.fingerprint, bool(lora))
         x = read["lat"].tensors.get("latents")
         shape = x.shape if x is not None and x.ndim == 4 else (1, 1, 64, 64)
         return (shape[3] * stages.PATCH, shape[2] * stages.PATCH)
-    model = _open(model_dir, device, "decode", progress, gpu_memory, show_plan, size)
+    model = _open(model_dir, device, "decode", progress, gpu_memory, show_plan, size, lora)
     lat_artifact = read["lat"]
     _foreign(progress, lat_artifact)
     latents = lat_artifact.tensors.get("latents")
@@ -299,12 +319,13 @@ def _decode(model_dir, lat, device, gpu_memory, show_plan, out, quiet):
                                                   help=batch.SEED_HELP)))
 @click.option("--picture", required=True, help=batch.PICTURE_HELP)
 @click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
+@lora_option
 @device_option
 @memory_options
 @quiet_option
 @version_option
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
-           skip_start, skip_stop, noise, picture, keep, device, gpu_memory, show_plan, quiet):
+           skip_start, skip_stop, noise, picture, keep, lora, device, gpu_memory, show_plan, quiet):
     progress = Progress(quiet, "moss-image")
     prompt, negative = (None if prompt is None else _text("--prompt", prompt)), _text("--negative", negative)
     pictures = batch.plan(prompt, prompt_file, seed, picture)
@@ -316,7 +337,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         kept = {name for p in pictures for name in batch.keep_names(p, several)}
         outputs += [("--keep", keep / name) for name in sorted(kept)]
     artifacts.check_apart(outputs, [("--prompt-file", prompt_file)] if prompt_file not in (None, "-") else [])
-    checkpoint = _checkpoint(model_dir)
+    checkpoint = _checkpoint(model_dir, lora)
     opts = _sampling(checkpoint, progress, pictures[0].seed, steps, guidance, width, height, shift,
                      skip_layers, skip_start, skip_stop, noise)
     size = (opts.width, opts.height)
@@ -326,6 +347,8 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     # then only the host's part of a GPU run is checked, and a stage that auto puts on the CPU is checked again
     for stage in ("denoise", "decode"):
         stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu" if device == "cpu" else "cuda")
+    # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
+    # (merged first when --lora names adapters: the preload sends the component's merged tensors)
     model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size)
     for stage in ("denoise", "decode"):
         if device != "cpu" and chosen[stage] == "cpu":
@@ -333,7 +356,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     _warn_cpu_dit(checkpoint, device, chosen["denoise"], progress)
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
-    progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}")
+    _note_model(progress, checkpoint, on)
     if not opts.cfg and _given("negative"):
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:

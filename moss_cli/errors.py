@@ -21,6 +21,10 @@ class DeviceError(MossError):
     """The requested device cannot be used (no GPU, GPU extra not installed)."""
 
 
+class LoraError(MossError):
+    """An adapter file is unreadable, names tensors this model lacks, or does not fit their shapes."""
+
+
 # how the driver, cuBLAS(Lt), cuDNN, cuda.core and numba say that an allocation failed
 _OUT_OF_MEMORY = ("OUT_OF_MEMORY", "out of memory", "ALLOC_FAILED", "CUDNN_STATUS_ALLOC", "cudaErrorMemoryAllocation")
 

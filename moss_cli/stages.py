@@ -326,6 +326,14 @@ class Model:
     def fingerprint(self):
         return self.checkpoint.fingerprint
 
+    def lora_metadata(self):
+        """{"moss.lora": the adapters' sha256 and scales} for the artifacts of a merged model, else {}: a base
+        model's artifacts stay as they were."""
+        if not self.checkpoint.adapters:
+            return {}
+        from . import lora
+        return {"moss.lora": lora.record(self.checkpoint.adapters)}
+
     @cached_property
     def tokenizer(self):
         from .tokenizer import ChatTokenizer
@@ -413,6 +421,7 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
     meta = {"moss.prompt": prompt, "moss.device": model.device}
     if negative is not None:
         meta["moss.negative"] = negative
+    meta.update(model.lora_metadata())
     return artifacts.build("encode", tensors, meta, model.fingerprint)
 
 
@@ -480,6 +489,7 @@ def denoise(model, enc, options, trace=False, next_seed=None):
     meta.update({"moss.enc_sha256": enc.sha256, "moss.prompt": enc.metadata.get("moss.prompt", ""),
                  "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",
                  "moss.device": model.device})
+    meta.update(model.lora_metadata())
     lat = artifacts.build("denoise", {"latents": np.asarray(latents, dtype=np.float32)}, meta, model.fingerprint)
     traced = artifacts.build("trace", record, meta, model.fingerprint) if trace else None
     return lat, traced
@@ -511,6 +521,11 @@ def png_parameters(lat):
     if steps_run.isdigit():
         params["steps_run"] = int(steps_run)
     params["moss_cli"] = lat.metadata.get("moss.version", "")
+    if "moss.lora" in lat.metadata:        # only then: a base model's PNG keeps its bytes
+        try:
+            params["lora"] = json.loads(lat.metadata["moss.lora"])
+        except json.JSONDecodeError:
+            params["lora"] = lat.metadata["moss.lora"]
     if lat.foreign or lat.metadata.get("moss.input") == "foreign":
         params["input"] = "foreign"
     return params
