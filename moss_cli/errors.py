@@ -19,3 +19,7 @@ class ArtifactError(MossError):
 
 class DeviceError(MossError):
     """The requested device cannot be used (no GPU, GPU extra not installed)."""
+
+
+class PictureError(MossError):
+    """A picture or mask cannot be read (not PNG/JPEG/WebP, truncated) or does not fit its use."""
