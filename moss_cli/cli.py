@@ -1,4 +1,4 @@
-"""The four commands. Each reads its inputs, calls a stage function, and writes its artifact."""
+"""The five commands. Each reads its inputs, calls a stage function, and writes its artifact."""
 
 import os
 import sys
@@ -93,6 +93,50 @@ def _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, s
     return opts
 
 
+def _start(init, strength, mask, progress):
+    """The stages.Init of --init/--init-image's IMAGE artifact with --strength and --mask, or None."""
+    if init is None:
+        if mask is not None:
+            raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
+        if strength is not None:
+            raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat "
+                             "(moss-image: --init-image)")
+        return None
+    from . import picture
+    start = stages.start_from(init, stages.DEFAULT_STRENGTH if strength is None else strength,
+                              None if mask is None else picture.read(mask))
+    if start.literal:
+        progress.warn("--strength 1 without --mask keeps nothing of the picture: this is text-to-image")
+    return start
+
+
+def _start_size(start, width, height):
+    """--width/--height of a run that starts from an IMAGE: its size, which the options must not contradict."""
+    if start is None:
+        return width, height
+    size = {"width": int(start.image.meta("moss.width")), "height": int(start.image.meta("moss.height"))}
+    for name, given in (("width", width), ("height", height)):
+        if given is not None and given != size[name]:
+            raise UsageError(f"--{name} {given}: {start.image.source} was encoded at {size['width']}x"
+                             f"{size['height']}; leave --{name} out or encode the picture at that size")
+    return size["width"], size["height"]
+
+
+def _image_device(device, progress):
+    """The VAE encoder runs on the CPU whatever --device says: it has no GPU path yet."""
+    if device == "cuda":
+        progress.note("the VAE encoder has no GPU path yet: the picture is encoded on the CPU")
+    return "cpu"
+
+
+init_option = click.option("--strength", type=float, default=None,
+                           help=f"How much of the schedule runs from the picture, in (0, 1]: the last "
+                                f"strength x steps, from the picture noised to their first sigma (diffusers' "
+                                f"FluxImg2ImgPipeline) [{stages.DEFAULT_STRENGTH}].")
+mask_option = click.option("--mask", default=None, metavar="MASK.png",
+                           help="Inpaint: white repaints, black keeps the picture (FluxInpaintPipeline); the "
+                                "picture's size.")
+
 model_option = click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -152,28 +196,63 @@ def _encode(model_dir, prompt, negative, no_negative, device, out, quiet):
 @click.argument("enc")
 @sampling_options
 @click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
+@click.option("--init", default=None, metavar="IMAGE.lat",
+              help="Start from a picture (moss-encode-image's file): image-to-image, or inpainting with --mask.")
+@init_option
+@mask_option
 @device_option
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
 @version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
-             noise, trace, device, out, quiet):
+             noise, trace, init, strength, mask, device, out, quiet):
     progress = Progress(quiet, "moss-denoise")
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
+    if init is None:
+        _start(None, strength, mask, progress)
+    if mask is not None and device == "auto":
+        device = "cpu"          # inpainting has no GPU path yet
     model = _open(model_dir, device, "denoise", progress)
+    start = None
+    if init is not None:
+        if init == "-" and enc == "-":
+            raise UsageError("ENC and --init cannot both be stdin")
+        start = _start(artifacts.read(init, "encode-image", model.fingerprint), strength, mask, progress)
+        width, height = _start_size(start, width, height)
     opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
     progress.start_clock()
     _foreign(progress, enc_artifact)
-    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
+    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace), init=start)
     if enc_artifact.foreign:
         lat, traced = artifacts.mark_foreign_input(lat), traced and artifacts.mark_foreign_input(traced)
     if trace:
         artifacts.write(trace, traced)
     artifacts.write(out, lat)
     _wrote(progress, out, "LAT")
+
+
+@click.command(help="Encode a picture (PNG, JPEG or WebP) with the VAE encoder into an IMAGE file of latents, the "
+                    "start of moss-denoise --init.")
+@model_option
+@click.argument("picture")
+@click.option("--width", type=int, default=None,
+              help="Resize to this width, a multiple of 16 [the picture's, floored to a multiple of 16].")
+@click.option("--height", type=int, default=None,
+              help="Resize to this height, a multiple of 16 [the picture's, floored to a multiple of 16].")
+@device_option
+@click.option("--out", required=True, help="IMAGE file, or - for stdout.")
+@quiet_option
+@version_option
+def _encode_image(model_dir, picture, width, height, device, out, quiet):
+    from . import picture as pictures
+    progress = Progress(quiet, "moss-encode-image")
+    artifacts.check_writable(out)
+    model = _open(model_dir, _image_device(device, progress), "encode-image", progress)
+    artifacts.write(out, stages.encode_image(model, pictures.read(picture), width, height))
+    _wrote(progress, out, "IMAGE")
 
 
 @click.command(help="Decode a LAT file to an RGB PNG.")
@@ -249,6 +328,10 @@ def encode_command():
 
 def denoise_command():
     _run(_denoise, "moss-denoise")
+
+
+def encode_image_command():
+    _run(_encode_image, "moss-encode-image")
 
 
 def decode_command():
