@@ -31,7 +31,8 @@ PICTURE_HELP = ("PNG file, or - for stdout (one picture only). A pattern names s
                 "work ({seed:04d}), {{ and }} are literal braces.")
 KEEP_HELP = ("Folder to keep the intermediate ENC and LAT files in, each written as soon as its stage ends; created "
              "if missing. One picture: prompt.enc and latents.lat; several: prompt-INDEX.enc per prompt and "
-             "latents-INDEX-SEED.lat per picture.")
+             "latents-INDEX-SEED.lat per picture; with --init-image also image.lat.")
+IMAGE_NAME = "image.lat"                   # the encoded --init-image under --keep
 
 _SEED = re.compile(r"-?\d+")
 _RANGE = re.compile(r"(-?\d+)-(-?\d+)")
@@ -188,15 +189,17 @@ def _write_png(path, pixels, text):
     artifacts.write(path, encode_png(pixels, text))
 
 
-def run(pictures, options, negative, model_for, fingerprint, keep, progress):
+def run(pictures, options, negative, model_for, fingerprint, keep, progress, init=None):
     """Make every picture, yielding (picture, note) as each is written: each distinct prompt text encoded
     once, then its seeds denoised and decoded in turn; the kept ENC and LAT written as soon as they exist.
     A picture's PNG is compressed and written in a second thread while the next picture is made (zlib runs
-    without the GIL); its (picture, note) comes once it is written, and a failed write raises then."""
+    without the GIL); its (picture, note) comes once it is written, and a failed write raises then. INIT: the
+    stages.Init every picture starts from, or None."""
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png") as writer:
         pending = None
-        for picture, note, pixels, text in _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+        for picture, note, pixels, text in _made(pictures, options, negative, model_for, fingerprint, keep, progress,
+                                                 init):
             written = writer.submit(_write_png, picture.path, pixels, text)
             if pending is not None:
                 pending[2].result()
@@ -207,7 +210,7 @@ def run(pictures, options, negative, model_for, fingerprint, keep, progress):
             yield pending[:2]
 
 
-def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+def _made(pictures, options, negative, model_for, fingerprint, keep, progress, init=None):
     """(picture, note, pixels, PNG text) of every picture in turn (run's order and kept files)."""
     several = len(pictures) > 1
     groups = {}
@@ -237,7 +240,7 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
             lat_bytes, _ = stages.denoise(model_for("denoise"), enc, dataclasses.replace(options, seed=picture.seed),
-                                          next_seed=order[number].seed if number < len(order) else None)
+                                          next_seed=order[number].seed if number < len(order) else None, init=init)
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)

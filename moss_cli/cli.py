@@ -1,5 +1,6 @@
 """The five commands. Each reads its inputs, calls a stage function, and writes its artifact."""
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import MossError, UsageError
+from .errors import MossError, PictureError, UsageError
 from .progress import Progress
 
 
@@ -93,20 +94,26 @@ def _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, s
     return opts
 
 
-def _start(init, strength, mask, progress):
-    """The stages.Init of --init/--init-image's IMAGE artifact with --strength and --mask, or None."""
-    if init is None:
-        if mask is not None:
-            raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
-        if strength is not None:
-            raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat "
-                             "(moss-image: --init-image)")
-        return None
-    from . import picture
-    start = stages.start_from(init, stages.DEFAULT_STRENGTH if strength is None else strength,
-                              None if mask is None else picture.read(mask))
+LITERAL = "--strength 1 without --mask keeps nothing of the picture: this is text-to-image"
+
+
+def _check_start(init, strength, mask):
+    """--strength and --mask only with a picture to start from; the strength in (0, 1]."""
+    if init is None and mask is not None:
+        raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
+    if init is None and strength is not None:
+        raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat (moss-image: --init-image)")
+    strength = stages.DEFAULT_STRENGTH if strength is None else strength
+    if not (math.isfinite(strength) and 0 < strength <= 1):
+        raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
+    return strength
+
+
+def _start(image, strength, mask, progress):
+    """The stages.Init of an IMAGE artifact with the strength and the mask picture (or None)."""
+    start = stages.start_from(image, strength, mask)
     if start.literal:
-        progress.warn("--strength 1 without --mask keeps nothing of the picture: this is text-to-image")
+        progress.warn(LITERAL)
     return start
 
 
@@ -210,16 +217,17 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
-    if init is None:
-        _start(None, strength, mask, progress)
+    strength = _check_start(init, strength, mask)
+    if init == "-" and enc == "-":
+        raise UsageError("ENC and --init cannot both be stdin")
     if mask is not None and device == "auto":
         device = "cpu"          # inpainting has no GPU path yet
     model = _open(model_dir, device, "denoise", progress)
     start = None
     if init is not None:
-        if init == "-" and enc == "-":
-            raise UsageError("ENC and --init cannot both be stdin")
-        start = _start(artifacts.read(init, "encode-image", model.fingerprint), strength, mask, progress)
+        from . import picture
+        image = artifacts.read(init, "encode-image", model.fingerprint)
+        start = _start(image, strength, None if mask is None else picture.read(mask), progress)
         width, height = _start_size(start, width, height)
     opts = _sampling(model, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop, noise)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint)
@@ -283,28 +291,46 @@ def _decode(model_dir, lat, device, out, quiet):
                                                   help=batch.SEED_HELP)))
 @click.option("--picture", required=True, help=batch.PICTURE_HELP)
 @click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
+@click.option("--init-image", default=None, metavar="PICTURE",
+              help="Start from this picture (PNG, JPEG or WebP), resized to --width/--height [its size floored to "
+                   "multiples of 16]: image-to-image, or inpainting with --mask.")
+@init_option
+@mask_option
 @device_option
 @quiet_option
 @version_option
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
-           skip_start, skip_stop, noise, picture, keep, device, quiet):
+           skip_start, skip_stop, noise, picture, keep, init_image, strength, mask, device, quiet):
+    from . import picture as pictures_in
     progress = Progress(quiet, "moss-image")
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
+    source = mask_picture = None
+    strength = _check_start(init_image, strength, mask)
+    if init_image is not None:
+        source = pictures_in.read(init_image)
+        mask_picture = None if mask is None else pictures_in.read(mask)
+        if mask_picture is not None and mask_picture.size != source.size:
+            raise PictureError(f"{mask}: the mask is {mask_picture.size[0]}x{mask_picture.size[1]}, the picture "
+                               f"{source.size[0]}x{source.size[1]}; give a mask of the picture's size")
+        width, height = source.target(width, height)
     from .checkpoint import open_checkpoint
     checkpoint = open_checkpoint(model_dir)
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
     preloaded = stages.preload_gpu_weights(checkpoint, device)
     models = {}
 
+    # inpainting has no GPU path yet: auto denoises on the CPU then (and --device cuda is refused by the stage)
+    fixed = {"denoise": "cpu"} if mask is not None and device == "auto" else {}
+
     def model_for(stage):
-        chosen = resolve(device, stage)
+        chosen = fixed.get(stage) or resolve(device, stage)
         if chosen not in models:
             models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress)
         return models[chosen]
 
-    chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+    chosen = {stage: fixed.get(stage) or resolve(device, stage) for stage in ("encode", "denoise", "decode")}
     if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
         from .ops.cuda_preload import discard
         discard()
@@ -317,8 +343,19 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:
         _make_folder(keep, "--keep")
+    start = None
+    if source is not None and (strength != 1.0 or mask is not None):
+        fixed["encode-image"] = _image_device(device, progress)
+        image_bytes = stages.encode_image(model_for("encode-image"), source, opts.width, opts.height)
+        if keep is not None:
+            artifacts.write(keep / batch.IMAGE_NAME, image_bytes)
+        image = artifacts.parse(image_bytes, "picture encoding", "encode-image", checkpoint.fingerprint)
+        start = _start(image, strength, mask_picture, progress)
+    elif source is not None:
+        progress.warn(LITERAL)
     # each stage's file kept as soon as it exists, so an interrupted run keeps it
-    for done, extra in batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress):
+    for done, extra in batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress,
+                                 init=start):
         _wrote(progress, done.path, "PNG", extra)
 
 
