@@ -9,7 +9,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import MossError, PictureError, UsageError
+from .errors import DeviceError, MossError, PictureError, UsageError
 from .progress import Progress
 
 
@@ -107,6 +107,11 @@ def _check_start(init, strength, mask):
     if not (math.isfinite(strength) and 0 < strength <= 1):
         raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
     return strength
+
+
+def _no_gpu_inpainting(mask, device):
+    if mask is not None and device == "cuda":
+        raise DeviceError("inpainting (--mask) has no GPU path yet; use --device cpu (or auto)")
 
 
 def _start(image, strength, mask, progress):
@@ -218,6 +223,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     if trace:
         artifacts.check_writable(trace)
     strength = _check_start(init, strength, mask)
+    _no_gpu_inpainting(mask, device)
     if init == "-" and enc == "-":
         raise UsageError("ENC and --init cannot both be stdin")
     if mask is not None and device == "auto":
@@ -308,6 +314,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     source = mask_picture = None
     strength = _check_start(init_image, strength, mask)
+    _no_gpu_inpainting(mask, device)
     if init_image is not None:
         source = pictures_in.read(init_image)
         mask_picture = None if mask is None else pictures_in.read(mask)
