@@ -9,7 +9,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import DeviceError, MossError, PictureError, UsageError
+from .errors import MossError, PictureError, UsageError
 from .progress import Progress
 
 
@@ -107,11 +107,6 @@ def _check_start(init, strength, mask):
     if not (math.isfinite(strength) and 0 < strength <= 1):
         raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
     return strength
-
-
-def _no_gpu_inpainting(mask, device):
-    if mask is not None and device == "cuda":
-        raise DeviceError("inpainting (--mask) has no GPU path yet; use --device cpu (or auto)")
 
 
 def _start(image, strength, mask, progress):
@@ -223,11 +218,8 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     if trace:
         artifacts.check_writable(trace)
     strength = _check_start(init, strength, mask)
-    _no_gpu_inpainting(mask, device)
     if init == "-" and enc == "-":
         raise UsageError("ENC and --init cannot both be stdin")
-    if mask is not None and device == "auto":
-        device = "cpu"          # inpainting has no GPU path yet
     model = _open(model_dir, device, "denoise", progress)
     start = None
     if init is not None:
@@ -314,7 +306,6 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     source = mask_picture = None
     strength = _check_start(init_image, strength, mask)
-    _no_gpu_inpainting(mask, device)
     if init_image is not None:
         source = pictures_in.read(init_image)
         mask_picture = None if mask is None else pictures_in.read(mask)
@@ -328,16 +319,13 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     preloaded = stages.preload_gpu_weights(checkpoint, device)
     models = {}
 
-    # inpainting has no GPU path yet: auto denoises on the CPU then (and --device cuda is refused by the stage)
-    fixed = {"denoise": "cpu"} if mask is not None and device == "auto" else {}
-
     def model_for(stage):
-        chosen = fixed.get(stage) or resolve(device, stage)
+        chosen = "cpu" if stage == "encode-image" else resolve(device, stage)     # _image_device
         if chosen not in models:
             models[chosen] = stages.Model(checkpoint, device=chosen, progress=progress)
         return models[chosen]
 
-    chosen = {stage: fixed.get(stage) or resolve(device, stage) for stage in ("encode", "denoise", "decode")}
+    chosen = {stage: resolve(device, stage) for stage in ("encode", "denoise", "decode")}
     if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
         from .ops.cuda_preload import discard
         discard()
@@ -352,7 +340,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         _make_folder(keep, "--keep")
     start = None
     if source is not None and (strength != 1.0 or mask is not None):
-        fixed["encode-image"] = _image_device(device, progress)
+        _image_device(device, progress)
         image_bytes = stages.encode_image(model_for("encode-image"), source, opts.width, opts.height)
         if keep is not None:
             artifacts.write(keep / batch.IMAGE_NAME, image_bytes)

@@ -392,8 +392,6 @@ def denoise(model, enc, options, trace=False, next_seed=None, init=None):
             raise UsageError(f"{init.image.source}: its latents are {list(image.shape)}, the run's {list(shape)} "
                              f"({options.width}x{options.height}); encode the picture at that size")
         if init.mask is not None:
-            if model.device == "cuda":
-                raise DeviceError("inpainting (--mask) has no GPU path yet; run moss-denoise with --device cpu")
             from .picture import latent_mask
             mask = latent_mask(init.mask, shape[1])
     noise = model.noise(shape, options.seed, options.noise)
@@ -420,14 +418,15 @@ def denoise(model, enc, options, trace=False, next_seed=None, init=None):
             record[f"latents.{i:03d}"] = np.array(latents_in, dtype=np.float32)
             record[f"velocity.{i:03d}"] = np.array(velocity, dtype=np.float32)
 
+    keep = None if mask is None else (image, mask, noise)
     if model.device == "cuda":     # the trajectory on the GPU, one graph per step (ops.cuda_denoiser)
         latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
-                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace)
+                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep)
     else:
         latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
                                  uncond_skip_layers=options.uncond_skip_layers,
                                  skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step,
-                                 keep=None if mask is None else (image, mask, noise))
+                                 keep=keep)
     meta = dict(options.metadata())
     meta.update({"moss.enc_sha256": enc.sha256, "moss.prompt": enc.metadata.get("moss.prompt", ""),
                  "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",

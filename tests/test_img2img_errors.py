@@ -112,10 +112,3 @@ def test_device_cuda_encodes_on_the_cpu_and_says_so(files):
     assert (files / "cuda.lat").read_bytes() == (files / "in.lat").read_bytes()
     assert load(files / "cuda.lat")[1]["moss.device"] == "cpu"
 
-
-def test_inpainting_on_the_gpu_is_refused_before_any_work(files):
-    says = "inpainting (--mask) has no GPU path yet"
-    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--mask", files / "mask.png",
-          "--device", "cuda", says=says)
-    fails(files, "moss-image", "--prompt", "a fox", *DENOISE, "--init-image", files / "in.png", "--mask",
-          files / "mask.png", "--device", "cuda", says=says)
