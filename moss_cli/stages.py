@@ -330,10 +330,8 @@ class Init:
 
 
 def start_from(image, strength, mask_picture=None):
-    """The Init of an IMAGE artifact, a strength in (0, 1] and an optional mask picture of the source
-    picture's size."""
-    if not (math.isfinite(strength) and 0 < strength <= 1):
-        raise UsageError(f"--strength {strength}: must be in (0, 1]")
+    """The Init of an IMAGE artifact, a strength (schedule.cut checks it) and an optional mask picture of the
+    source picture's size."""
     x = image.tensors.get("latents")
     if x is None or x.dtype != np.float32 or x.ndim != 4 or x.shape[0] != 1:
         raise ArtifactError(f"{image.source}: latents are missing or not float32[1, C, h, w]")

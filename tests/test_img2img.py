@@ -103,20 +103,18 @@ def diffusers_mask(path):
 
 
 @pytest.fixture(scope="module")
-def statement():
-    """The float64 DiT statement and the ENC's refined texts."""
+def statement(files):
+    """The float64 DiT statement and the ENC's texts refined by it."""
     folder = EMBEDDED / "transformer"
     sd, cfg = dit.load_weights(folder), json.loads((folder / "config.json").read_text())
-    return sd, cfg
-
-
-def reference_velocity(statement, files, x, t, skip):
-    sd, cfg = statement
     rows, _ = load(files / "p.enc")
-    st = dit.Statement(sd, cfg)
+    texts = [dit.text_refiner(sd, cfg, np.array(rows[f"{role}_rows"])) for role in ("prompt", "negative")]
+    return dit.Statement(sd, cfg), *texts
+
+
+def reference_velocity(statement, x, t, skip):
+    st, cond, uncond = statement
     mod, head = st.conditioning(t)
-    cond = dit.text_refiner(sd, cfg, rows["prompt_rows"])
-    uncond = dit.text_refiner(sd, cfg, rows["negative_rows"])
     x = torch.as_tensor(x, dtype=torch.float64)
     c, u = st.velocity(x, mod, head, cond), st.velocity(x, mod, head, uncond, skip)
     return (u + GUIDANCE * (c - u)).numpy()
@@ -160,8 +158,8 @@ def test_every_transition_is_diffusers_step_and_every_velocity_the_dit_statement
         np.testing.assert_array_equal(bits(trace[f"latents.{i:03d}"]), bits(x), err_msg=f"latents entering step {i}")
         skip = {22} if 0.01 <= i / n < 1.0 else set()
         v = trace[f"velocity.{i:03d}"]
-        assert rel(v, reference_velocity(statement, files, x, float(t), skip)) <= VELOCITY_GATE, i
-        x = scheduler.step(torch.from_numpy(v), t, x, return_dict=False)[0]
+        assert rel(v, reference_velocity(statement, x, float(t), skip)) <= VELOCITY_GATE, i
+        x = scheduler.step(torch.from_numpy(np.array(v)), t, x, return_dict=False)[0]
         if mask:                                    # FluxInpaintPipeline's update after each step
             proper = image if i == n - 1 else scheduler.scale_noise(image, torch.tensor([timesteps[i + 1]]), noise)
             x = (1 - m) * proper + m * x
