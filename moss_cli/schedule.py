@@ -81,6 +81,8 @@ def cut(sigmas: np.ndarray, strength: float) -> np.ndarray:
     n = len(sigmas) - 1
     init_timestep = min(n * strength, n)
     t_start = int(max(n - init_timestep, 0))
+    if t_start >= n:         # only where n * strength is below half an ulp of n
+        raise UsageError(f"--strength {strength:g} leaves none of the {n} steps to run; raise it")
     return np.asarray(sigmas, dtype=F32)[t_start:]
 
 

@@ -77,17 +77,22 @@ def denoise(files, name, strength, mask=None):
     return trace, lat["latents"], meta
 
 
-def diffusers_start(strength, image_latents):
-    """(scheduler, cut timesteps, torch noise, start latents) as FluxImg2ImgPipeline sets them up."""
+def diffusers_cut(steps, strength):
+    """(scheduler, cut timesteps): the MOSS schedule in diffusers' scheduler, cut by get_timesteps."""
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
-    full = reference_schedule.sigmas(STEPS, shift=SHIFT)
-    scheduler.set_timesteps(sigmas=full[:-1].tolist())
+    scheduler.set_timesteps(sigmas=reference_schedule.sigmas(steps, shift=SHIFT)[:-1].tolist())
 
     class Pipe:                                     # get_timesteps reads only self.scheduler
         pass
     pipe = Pipe()
     pipe.scheduler = scheduler
     timesteps, _ = FluxImg2ImgPipeline.get_timesteps(pipe, len(scheduler.timesteps), strength, "cpu")
+    return scheduler, timesteps
+
+
+def diffusers_start(strength, image_latents):
+    """(scheduler, cut timesteps, torch noise, start latents) as FluxImg2ImgPipeline sets them up."""
+    scheduler, timesteps = diffusers_cut(STEPS, strength)
     noise = torch.randn(image_latents.shape, generator=torch.Generator().manual_seed(SEED), dtype=torch.float32)
     start = scheduler.scale_noise(image_latents, timesteps[:1], noise)
     return scheduler, timesteps, noise, start
@@ -133,6 +138,16 @@ def test_sigmas_noise_and_start_latents_are_diffusers_bit_for_bit(files, strengt
     if strength < 1:
         np.testing.assert_array_equal(trace["init"], image.numpy())
         assert meta["moss.strength"] == repr(strength) and meta["moss.init_sha256"]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 7, 28, 50])
+def test_cut_equals_get_timesteps_for_every_strength(steps):
+    from moss_cli.schedule import cut, sigmas
+    for strength in np.linspace(0.01, 1, 100).tolist() + [1 / 3, 2 / 3, 0.1, 0.3, 0.7, 0.9]:
+        scheduler, timesteps = diffusers_cut(steps, strength)
+        ours = cut(sigmas(steps, shift=SHIFT), strength)
+        np.testing.assert_array_equal(bits(ours), bits(scheduler.sigmas[scheduler.begin_index:]), err_msg=strength)
+        assert len(ours) - 1 == len(timesteps) >= 1
 
 
 def test_steps_are_cut_as_get_timesteps_does(files):

@@ -86,6 +86,11 @@ def test_a_strength_outside_zero_to_one(files, strength):
           strength, says="must be in (0, 1]")
 
 
+def test_a_strength_that_leaves_no_step(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--strength", "1e-20",
+          says="leaves none of the 2 steps to run")
+
+
 def test_an_image_of_another_model(files):
     fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "other.lat", says="made with another model")
 
