@@ -3,7 +3,8 @@ bit), AutoencoderKLFlux2.encode's posterior mode with the FLUX.2 pipelines' _pat
 normalisation (float32 gate), the inpainting mask of FluxInpaintPipeline (bit for bit), and moss-encode-image.
 
 Gate: latents relative L2 error, float32, measured 7.9e-7 and 8.3e-7 (tiny and skewed random VAEs), 7.9e-7 to
-9.3e-7 on the tiny checkpoint; gate ENCODE_GATE = 3e-6. Planted controls, each asserted to fail it by 100x
+9.3e-7 on the tiny checkpoint, 1.25e-6 at the real encoder's widths (random weights, 64x96); gate
+ENCODE_GATE = 3e-6. Planted controls, each asserted to fail it by 100x
 (measured 0.6-0.7): the BN normalisation left out, and the patchify's (i, j) order swapped.
 """
 
@@ -25,7 +26,7 @@ from moss_cli import picture, vae
 from moss_cli.checkpoint import EMBEDDED, open_checkpoint
 from moss_cli.ops import numpy_ops
 from moss_cli.safetensors_io import load
-from test_vae import SKEWED, TINY, randomize
+from test_vae import SKEWED, SMALL, TINY, randomize
 
 ENCODE_GATE = 3e-6
 
@@ -71,6 +72,15 @@ def test_float32_encode_matches_diffusers(random_vae):
     ours = vae.Encoder(numpy_ops(np.float32), tensors, config)(image)
     assert ours.dtype == np.float32 and ours.shape == ref.shape == (1, 128, 4, 6)
     assert rel_l2(ours, ref) <= ENCODE_GATE
+
+
+def test_float32_encode_at_the_real_widths_matches_diffusers():
+    """The real VAE's encoder widths (128, 256, 512, 512; 32 groups) with random weights of realistic scale."""
+    model = randomize(AutoencoderKLFlux2(**SMALL).eval(), seed=4)
+    image = an_image(64, 96, seed=2)
+    ours = vae.Encoder(numpy_ops(np.float32), {k: v.numpy() for k, v in model.state_dict().items()},
+                       dict(model.config))(image)
+    assert rel_l2(ours, official_encode(model, image)) <= ENCODE_GATE
 
 
 def test_float64_encode_matches_diffusers_in_double(random_vae):
