@@ -1,4 +1,4 @@
-"""ENC, LAT and TRACE artifacts: safetensors files with string metadata, written atomically.
+"""ENC, LAT, TRACE and IMAGE (an encoded picture) artifacts: safetensors files with string metadata, written atomically.
 
 Every artifact names its stage (`moss.stage`) and the model it came from (`moss.model`, the checkpoint
 fingerprint), so a file from another stage or another model is refused with one line.
@@ -24,7 +24,7 @@ from .errors import ArtifactError, UsageError
 from .safetensors_io import SafetensorsError, dumps, loads
 
 FORMAT = "1"
-STAGES = {"encode": "ENC", "denoise": "LAT", "trace": "TRACE"}
+STAGES = {"encode": "ENC", "denoise": "LAT", "trace": "TRACE", "encode-image": "IMAGE"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # foreign stage files (no moss metadata): the tensors a file must hold to stand in for a stage's artifact
 FOREIGN_TENSORS = {"encode": ("prompt_rows", "prompt_ids"), "denoise": ("latents",)}

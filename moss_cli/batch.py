@@ -34,7 +34,8 @@ PICTURE_HELP = ("PNG file, or - for stdout (one picture only). A pattern names s
                 "work ({seed:04d}), {{ and }} are literal braces.")
 KEEP_HELP = ("Folder to keep the intermediate ENC and LAT files in, each written as soon as its stage ends; created "
              "if missing. One picture: prompt.enc and latents.lat; several: prompt-INDEX.enc per prompt and "
-             "latents-INDEX-SEED.lat per picture.")
+             "latents-INDEX-SEED.lat per picture; with --init-image also image.lat.")
+IMAGE_NAME = "image.lat"                   # the encoded --init-image under --keep
 
 # ASCII digits only: int() would also take '1_000' and other scripts' digits
 _SEED = re.compile(r"-?[0-9]+")
@@ -237,10 +238,10 @@ def encoded(model_for, text, negative, options, fingerprint, negative_cache):
     return enc_bytes, artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
 
 
-def made(model_for, enc, options, fingerprint, next_seed=None):
+def made(model_for, enc, options, fingerprint, next_seed=None, init=None):
     """(LAT bytes, pixels, PNG text) of one picture of a parsed ENC: what moss-image writes for it, the PNG
-    being png.encode_png(pixels, text). NEXT_SEED as for stages.denoise."""
-    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, options, next_seed=next_seed)
+    being png.encode_png(pixels, text). NEXT_SEED and INIT as for stages.denoise."""
+    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, options, next_seed=next_seed, init=init)
     lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
     pixels, text = stages.decode_pixels(model_for("decode"), lat)
     return lat_bytes, pixels, text
@@ -251,11 +252,12 @@ def _write_png(path, pixels, text):
     artifacts.write(path, encode_png(pixels, text))
 
 
-def run(pictures, options, negative, model_for, fingerprint, keep, progress, written):
+def run(pictures, options, negative, model_for, fingerprint, keep, progress, written, init=None):
     """Make every picture: each distinct prompt text encoded once, then its seeds denoised and decoded in turn;
     the kept ENC and LAT written as soon as they exist. A picture's PNG is compressed and written in a second
     thread while the next picture is made (zlib runs without the GIL); that thread calls `written(picture,
-    note)` as soon as the file is written, and a failed write raises before the next picture's write."""
+    note)` as soon as the file is written, and a failed write raises before the next picture's write. INIT: the
+    stages.Init every picture starts from, or None."""
     from concurrent.futures import ThreadPoolExecutor
 
     def write(picture, note, pixels, text):
@@ -265,7 +267,7 @@ def run(pictures, options, negative, model_for, fingerprint, keep, progress, wri
     # leaving the pool waits for the last write, also on an interrupt: a PNG written is announced
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="png") as writer:
         pending = None
-        for made in _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+        for made in _made(pictures, options, negative, model_for, fingerprint, keep, progress, init):
             if pending is not None:
                 pending.result()
             pending = writer.submit(write, *made)
@@ -273,7 +275,7 @@ def run(pictures, options, negative, model_for, fingerprint, keep, progress, wri
             pending.result()
 
 
-def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
+def _made(pictures, options, negative, model_for, fingerprint, keep, progress, init=None):
     """(picture, note, pixels, PNG text) of every picture in turn (run's order and kept files)."""
     several = len(pictures) > 1
     groups = {}
@@ -314,7 +316,7 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress):
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
             lat_bytes, pixels, text = made(model_for, enc, dataclasses.replace(options, seed=picture.seed), fingerprint,
-                                           next_seed=order[number].seed if number < len(order) else None)
+                                           next_seed=order[number].seed if number < len(order) else None, init=init)
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             notes = [f"picture {number}/{len(pictures)}"] if several else []

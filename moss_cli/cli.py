@@ -1,5 +1,6 @@
-"""The four commands. Each reads its inputs, calls a stage function, and writes its artifact."""
+"""The five commands. Each reads its inputs, calls a stage function, and writes its artifact."""
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import CheckpointError, MossError, UsageError, out_of_memory
+from .errors import CheckpointError, MossError, PictureError, UsageError, out_of_memory
 from .progress import Progress
 
 
@@ -168,6 +169,56 @@ def _sampling(checkpoint, progress, seed, steps, guidance, width, height, shift,
     return opts
 
 
+LITERAL = "--strength 1 without --mask keeps nothing of the picture: this is text-to-image"
+
+
+def _check_start(init, strength, mask):
+    """--strength and --mask only with a picture to start from; the strength in (0, 1]."""
+    if init is None and mask is not None:
+        raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
+    if init is None and strength is not None:
+        raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat (moss-image: --init-image)")
+    strength = stages.DEFAULT_STRENGTH if strength is None else strength
+    if not (math.isfinite(strength) and 0 < strength <= 1):
+        raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
+    return strength
+
+
+def _start(image, strength, mask, progress):
+    """The stages.Init of an IMAGE artifact with the strength and the mask picture (or None)."""
+    start = stages.start_from(image, strength, mask)
+    if start.literal:
+        progress.warn(LITERAL)
+    return start
+
+
+def _start_size(start, width, height):
+    """--width/--height of a run that starts from an IMAGE: its size, which the options must not contradict."""
+    if start is None:
+        return width, height
+    size = {"width": int(start.image.meta("moss.width")), "height": int(start.image.meta("moss.height"))}
+    for name, given in (("width", width), ("height", height)):
+        if given is not None and given != size[name]:
+            raise UsageError(f"--{name} {given}: {start.image.source} was encoded at {size['width']}x"
+                             f"{size['height']}; leave --{name} out or encode the picture at that size")
+    return size["width"], size["height"]
+
+
+def _image_device(device, progress):
+    """The VAE encoder runs on the CPU whatever --device says: it has no GPU path yet."""
+    if device == "cuda":
+        progress.note("the VAE encoder has no GPU path yet: the picture is encoded on the CPU")
+    return "cpu"
+
+
+init_option = click.option("--strength", type=float, default=None,
+                           help=f"How much of the schedule runs from the picture, in (0, 1]: the last "
+                                f"strength x steps, from the picture noised to their first sigma (diffusers' "
+                                f"FluxImg2ImgPipeline) [{stages.DEFAULT_STRENGTH}].")
+mask_option = click.option("--mask", default=None, metavar="MASK.png",
+                           help="Inpaint: white repaints, black keeps the picture (FluxInpaintPipeline); the "
+                                "picture's size.")
+
 model_option = click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
                             help="MOSS-Image folder (default: $MOSS_IMAGE_MODEL, else the embedded tiny demo).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -248,33 +299,69 @@ def _encode(model_dir, prompt, negative, no_negative, lora, device, gpu_memory, 
 @sampling_options
 @click.option("--trace", default=None, help="Also write a TRACE file (noise, sigmas, per-step latents/velocity).")
 @lora_option
+@click.option("--init", default=None, metavar="IMAGE.lat",
+              help="Start from a picture (moss-encode-image's file): image-to-image, or inpainting with --mask.")
+@init_option
+@mask_option
 @device_option
 @memory_options
 @click.option("--out", required=True, help="LAT file, or - for stdout.")
 @quiet_option
 @version_option
 def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_layers, skip_start, skip_stop,
-             noise, trace, lora, device, gpu_memory, show_plan, out, quiet):
+             noise, trace, init, strength, mask, lora, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-denoise")
     seed = batch.parse_seed(seed)
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
-    artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []), [("the input ENC", enc)])
+    strength = _check_start(init, strength, mask)
+    if init == "-" and enc == "-":
+        raise UsageError("ENC and --init cannot both be stdin")
+    artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []),
+                          [("the input ENC", enc)] + ([("--init", init)] if init not in (None, "-") else []))
     model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height), lora)
+    start = None
+    if init is not None:
+        from . import picture
+        # a picture's latents are the VAE's: a DiT adapter does not change them, so the folder's own model signs them
+        image = artifacts.read(init, "encode-image", model.checkpoint.base_fingerprint)
+        start = _start(image, strength, None if mask is None else picture.read(mask), progress)
+        width, height = _start_size(start, width, height)
     opts = _sampling(model.checkpoint, progress, seed, steps, guidance, width, height, shift, skip_layers,
                      skip_start, skip_stop, noise)
     stages.check_room(model.checkpoint, "denoise", opts.width, opts.height, model.device)
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint, bool(lora))
     progress.start_clock()
     _foreign(progress, enc_artifact)
-    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace))
+    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace), init=start)
     if enc_artifact.foreign:
         lat, traced = artifacts.mark_foreign_input(lat), traced and artifacts.mark_foreign_input(traced)
     if trace:
         artifacts.write(trace, traced)
     artifacts.write(out, lat)
     _wrote(progress, out, "LAT")
+
+
+@click.command(help="Encode a picture (PNG, JPEG or WebP) with the VAE encoder into an IMAGE file of latents, the "
+                    "start of moss-denoise --init.")
+@model_option
+@click.argument("picture")
+@click.option("--width", type=int, default=None,
+              help="Resize to this width, a multiple of 16 [the picture's, floored to a multiple of 16].")
+@click.option("--height", type=int, default=None,
+              help="Resize to this height, a multiple of 16 [the picture's, floored to a multiple of 16].")
+@device_option
+@click.option("--out", required=True, help="IMAGE file, or - for stdout.")
+@quiet_option
+@version_option
+def _encode_image(model_dir, picture, width, height, device, out, quiet):
+    from . import picture as pictures
+    progress = Progress(quiet, "moss-encode-image")
+    artifacts.check_writable(out)
+    model = _open(model_dir, _image_device(device, progress), "encode-image", progress)
+    artifacts.write(out, stages.encode_image(model, pictures.read(picture), width, height))
+    _wrote(progress, out, "IMAGE")
 
 
 @click.command(help="Decode a LAT file to an RGB PNG.")
@@ -320,17 +407,33 @@ def _decode(model_dir, lat, lora, device, gpu_memory, show_plan, out, quiet):
 @click.option("--picture", required=True, help=batch.PICTURE_HELP)
 @click.option("--keep", type=click.Path(path_type=Path), default=None, help=batch.KEEP_HELP)
 @lora_option
+@click.option("--init-image", default=None, metavar="PICTURE",
+              help="Start from this picture (PNG, JPEG or WebP), resized to --width/--height [its size floored to "
+                   "multiples of 16]: image-to-image, or inpainting with --mask.")
+@init_option
+@mask_option
 @device_option
 @memory_options
 @quiet_option
 @version_option
 def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, width, height, shift, skip_layers,
-           skip_start, skip_stop, noise, picture, keep, lora, device, gpu_memory, show_plan, quiet):
+           skip_start, skip_stop, noise, picture, keep, init_image, strength, mask, lora, device, gpu_memory,
+           show_plan, quiet):
+    from . import picture as pictures_in
     progress = Progress(quiet, "moss-image")
     prompt, negative = (None if prompt is None else _text("--prompt", prompt)), _text("--negative", negative)
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
+    source = mask_picture = None
+    strength = _check_start(init_image, strength, mask)
+    if init_image is not None:
+        source = pictures_in.read(init_image)
+        mask_picture = None if mask is None else pictures_in.read(mask)
+        if mask_picture is not None and mask_picture.size != source.size:
+            raise PictureError(f"{mask}: the mask is {mask_picture.size[0]}x{mask_picture.size[1]}, the picture "
+                               f"{source.size[0]}x{source.size[1]}; give a mask of the picture's size")
+        width, height = source.target(width, height)
     outputs = [("--picture", p.path) for p in pictures]
     if keep is not None:
         several = len(pictures) > 1
@@ -361,9 +464,19 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:
         _make_folder(keep, "--keep")
+    start = None
+    if source is not None and (strength != 1.0 or mask is not None):
+        image_bytes = stages.encode_image(stages.Model(checkpoint, device=_image_device(device, progress),
+                                                       progress=progress), source, opts.width, opts.height)
+        if keep is not None:
+            artifacts.write(keep / batch.IMAGE_NAME, image_bytes)
+        image = artifacts.parse(image_bytes, "picture encoding", "encode-image", checkpoint.fingerprint)
+        start = _start(image, strength, mask_picture, progress)
+    elif source is not None:
+        progress.warn(LITERAL)
     # each stage's file kept as soon as it exists, so an interrupted run keeps it; each PNG announced once written
     batch.run(pictures, opts, negative, model_for, checkpoint.fingerprint, keep, progress,
-              lambda done, extra: _wrote(progress, done.path, "PNG", extra))
+              lambda done, extra: _wrote(progress, done.path, "PNG", extra), init=start)
 
 
 def encode_command():
@@ -372,6 +485,10 @@ def encode_command():
 
 def denoise_command():
     _run(_denoise, "moss-denoise")
+
+
+def encode_image_command():
+    _run(_encode_image, "moss-encode-image")
 
 
 def decode_command():

@@ -21,6 +21,10 @@ class DeviceError(MossError):
     """The requested device cannot be used (no GPU, GPU extra not installed)."""
 
 
+class PictureError(MossError):
+    """A picture or mask cannot be read (not PNG/JPEG/WebP, truncated) or does not fit its use."""
+
+
 class LoraError(MossError):
     """An adapter file is unreadable, names tensors this model lacks, or does not fit their shapes."""
 

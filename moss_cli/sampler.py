@@ -8,7 +8,7 @@ x <- x + (sigma_{i+1} - sigma_i) v. Everything host-side is float32, as the offi
 import numpy as np
 
 from .errors import UsageError
-from .schedule import euler_step, timesteps
+from .schedule import euler_step, keep_region, timesteps
 from .transformer import check_layers
 
 DEFAULT_GUIDANCE = 3.0
@@ -23,11 +23,12 @@ def guided(c, u, guidance):
 
 
 def sample(model, noise, sigmas, cond, uncond, guidance, uncond_skip_layers=DEFAULT_SKIP_LAYERS,
-           skip_start=DEFAULT_SKIP_START, skip_stop=DEFAULT_SKIP_STOP, on_step=None):
+           skip_start=DEFAULT_SKIP_START, skip_stop=DEFAULT_SKIP_STOP, on_step=None, keep=None):
     """Denoise `noise` [1, C, h, w] along `sigmas` [N+1]; returns float32 latents.
 
     `cond` / `uncond` are `model.prepare_text` handles (uncond unused, may be None, when guidance is 1.0).
     `on_step(i, sigma, latents_in, velocity)` is called once per step, before the Euler update.
+    `keep`: (image latents, latent mask, noise) of inpainting, applied after each update (schedule.keep_region).
     """
     sigmas = np.asarray(sigmas, dtype=np.float32)
     n = len(sigmas) - 1
@@ -49,4 +50,6 @@ def sample(model, noise, sigmas, cond, uncond, guidance, uncond_skip_layers=DEFA
         if on_step is not None:
             on_step(i, sigmas[i], x, v)
         x = euler_step(x, v, sigmas[i], sigmas[i + 1])
+        if keep is not None:
+            x = keep_region(x, *keep, sigmas[i + 1], last=i == n - 1)
     return x

@@ -71,3 +71,30 @@ def euler_step(x, v, sigma, sigma_next) -> np.ndarray:
     """x + (sigma_next - sigma) * v, all float32, dt the float32 difference (diffusers step)."""
     dt = F32(sigma_next) - F32(sigma)
     return (np.asarray(x, dtype=F32) + dt * np.asarray(v, dtype=F32)).astype(F32)
+
+
+def cut(sigmas: np.ndarray, strength: float) -> np.ndarray:
+    """The sigmas an image-to-image run takes, as FluxImg2ImgPipeline.get_timesteps cuts the schedule: of its N
+    steps the last min(N * strength, N), counted in Python floats and truncated as it does."""
+    if not (math.isfinite(strength) and 0 < strength <= 1):
+        raise UsageError(f"--strength {strength}: must be in (0, 1]")
+    n = len(sigmas) - 1
+    init_timestep = min(n * strength, n)
+    t_start = int(max(n - init_timestep, 0))
+    if t_start >= n:         # only where n * strength is below half an ulp of n
+        raise UsageError(f"--strength {strength:g} leaves none of the {n} steps to run; raise it")
+    return np.asarray(sigmas, dtype=F32)[t_start:]
+
+
+def scale_noise(sample, sigma, noise) -> np.ndarray:
+    """sigma * noise + (1 - sigma) * sample in float32: the flow-matching forward process (scale_noise)."""
+    s = F32(sigma)
+    return (s * np.asarray(noise, dtype=F32) + (F32(1) - s) * np.asarray(sample, dtype=F32)).astype(F32)
+
+
+def keep_region(latents, image, mask, noise, sigma_next, last) -> np.ndarray:
+    """Inpainting after a step (FluxInpaintPipeline): where the mask is 0 the latents become the image's latents
+    noised to the next sigma (the image itself after the last step), as (1 - mask) * image + mask * latents."""
+    proper = image if last else scale_noise(image, sigma_next, noise)
+    m = np.asarray(mask, dtype=F32)
+    return ((F32(1) - m) * proper + m * np.asarray(latents, dtype=F32)).astype(F32)

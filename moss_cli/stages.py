@@ -1,4 +1,5 @@
-"""The three stages as functions of (model, artifact, options): tokens -> rows -> latents -> pixels.
+"""The three stages as functions of (model, artifact, options): tokens -> rows -> latents -> pixels, and the
+picture's way in (encode_image: pixels -> latents, the start of image-to-image and inpainting).
 
 The commands only read, call and write; `moss-image` calls the same functions on the same bytes, which is
 why its PNG equals the chained commands' PNG.
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import artifacts, schedule
-from .errors import ArtifactError, CheckpointError, DeviceError, UsageError
+from .errors import ArtifactError, CheckpointError, DeviceError, PictureError, UsageError
 from .ops import numpy_ops
 from .progress import Silent
 
@@ -26,6 +27,7 @@ DEFAULT_NEGATIVE = ""
 DEFAULT_SKIP_LAYERS = (22,)
 DEFAULT_SKIP_START = 0.01   # [M] S1 + SGLang cookbook; S2/S3 start at 0.0
 DEFAULT_SKIP_STOP = 1.0
+DEFAULT_STRENGTH = 0.6      # FluxImg2ImgPipeline's and FluxInpaintPipeline's default
 PATCH = 16                  # image pixels per latent token side
 # the seeds torch.Generator.manual_seed takes: a uint64, or an int64 whose bits it reads as one (so -1 is 2**64-1)
 SEED_MIN = -2**63
@@ -384,6 +386,21 @@ class Model:
         release(encoder)
 
     @cached_property
+    def image_encoder(self):
+        """The VAE encoder, on the CPU whatever the device: it has no GPU path yet."""
+        from .vae import Encoder, expected_encoder_tensors
+        comp = self.checkpoint.component("vae")
+        for name, shape in expected_encoder_tensors(comp.config).items():
+            if name not in comp.tensors:
+                raise CheckpointError(f"{self.checkpoint.root}: vae has no {name}; the picture needs the VAE's "
+                                      "encoder (a decoder-only vae folder cannot start from an image)")
+            if tuple(comp.tensors[name].shape) != shape:
+                raise CheckpointError(f"{self.checkpoint.root}: vae tensor {name} has shape "
+                                      f"{list(comp.tensors[name].shape)}, expected {list(shape)}")
+        self.progress.note("loading VAE encoder (cpu)")
+        return Encoder(self.ops, comp.tensors, comp.config)
+
+    @cached_property
     def decoder(self):
         from .vae import Decoder
         comp = self.checkpoint.component("vae")
@@ -425,6 +442,53 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
     return artifacts.build("encode", tensors, meta, model.fingerprint)
 
 
+# --- encode-image ----------------------------------------------------------------------------
+
+def encode_image(model, picture, width=None, height=None):
+    """IMAGE bytes for a picture.Picture: resized to WIDTH x HEIGHT (default: its size floored to multiples of
+    16), encoded to the packed, BN-normalised latents the transformer works in."""
+    from .picture import RESAMPLE
+    w, h = picture.target(width, height)
+    x = picture.rgb(w, h)
+    model.progress.note(f"encoding picture {picture.size[0]}x{picture.size[1]} at {w}x{h}")
+    latents = np.asarray(model.image_encoder(x), dtype=np.float32)
+    meta = {"moss.picture_sha256": picture.sha256, "moss.width": w, "moss.height": h,
+            "moss.picture_width": picture.size[0], "moss.picture_height": picture.size[1],
+            "moss.resample": RESAMPLE, "moss.device": "cpu"}
+    return artifacts.build("encode-image", {"latents": latents}, meta, model.fingerprint)
+
+
+@dataclass
+class Init:
+    """Where an image-to-image or inpainting run starts: an IMAGE artifact, the strength, and the mask [H, W]
+    of 0/1 at the encoded size (1 = repaint) or None."""
+    image: object
+    strength: float = DEFAULT_STRENGTH
+    mask: object = None
+    mask_sha256: str = ""
+
+    @property
+    def literal(self):
+        """Text-to-image exactly: strength 1 keeps none of the image, and without a mask nothing is put back."""
+        return self.strength == 1.0 and self.mask is None
+
+
+def start_from(image, strength, mask_picture=None):
+    """The Init of an IMAGE artifact, a strength (schedule.cut checks it) and an optional mask picture of the
+    source picture's size."""
+    x = image.tensors.get("latents")
+    if x is None or x.dtype != np.float32 or x.ndim != 4 or x.shape[0] != 1:
+        raise ArtifactError(f"{image.source}: latents are missing or not float32[1, C, h, w]")
+    if mask_picture is None:
+        return Init(image, strength)
+    size = tuple(int(image.meta(f"moss.picture_{k}")) for k in ("width", "height"))
+    if mask_picture.size != size:
+        raise PictureError(f"{mask_picture.source}: the mask is {mask_picture.size[0]}x{mask_picture.size[1]}, the "
+                           f"picture {size[0]}x{size[1]}; give a mask of the picture's size")
+    w, h = int(image.meta("moss.width")), int(image.meta("moss.height"))
+    return Init(image, strength, mask_picture.mask(w, h), mask_picture.sha256)
+
+
 # --- denoise ---------------------------------------------------------------------------------
 
 def _rows(enc, role, text_dim):
@@ -443,10 +507,12 @@ def noise_shape(model, options):
     return (1, channels, options.height // PATCH, options.width // PATCH)
 
 
-def denoise(model, enc, options, trace=False, next_seed=None):
+def denoise(model, enc, options, trace=False, next_seed=None, init=None):
     """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options. NEXT_SEED: the seed
     of the picture made after this one, with the same options: its noise is drawn on a host thread while
-    this picture denoises (Model.draw_noise_ahead)."""
+    this picture denoises (Model.draw_noise_ahead). INIT: an Init to start from an image (FluxImg2ImgPipeline:
+    the schedule cut by the strength, the start latents the image's noised to its first sigma) and, with its
+    mask, to inpaint (FluxInpaintPipeline); a literal one (strength 1, no mask) runs text-to-image as is."""
     from . import sampler
 
     options.check()
@@ -459,14 +525,33 @@ def denoise(model, enc, options, trace=False, next_seed=None):
         raise UsageError(f"guidance {options.guidance} needs negative rows, but {enc.source} was encoded with "
                          "--no-negative; encode again with a negative prompt or use --guidance 1")
     shape = noise_shape(model, options)
-    x0 = model.noise(shape, options.seed, options.noise)
+    if init is not None and init.literal:
+        init = None
+    image = mask = None
+    if init is not None:
+        image = init.image.tensors["latents"]
+        if image.shape != shape:
+            raise UsageError(f"{init.image.source}: its latents are {list(image.shape)}, the run's {list(shape)} "
+                             f"({options.width}x{options.height}); encode the picture at that size")
+        if init.mask is not None:
+            from .picture import latent_mask
+            mask = latent_mask(init.mask, shape[1])
+    noise = model.noise(shape, options.seed, options.noise)
     if next_seed is not None:
         model.draw_noise_ahead(shape, next_seed, options.noise)
     sig = schedule.sigmas(options.steps, shift=options.shift)
+    x0 = noise
+    if init is not None:
+        sig = schedule.cut(sig, init.strength)
+        x0 = schedule.scale_noise(image, sig[0], noise)
     dit = model.transformer
     cond = dit.prepare_text(cond_rows)
     uncond = dit.prepare_text(uncond_rows) if options.cfg else None
-    record = {"noise": x0, "sigmas": sig} if trace else None
+    record = {"noise": noise, "sigmas": sig} if trace else None
+    if record is not None and init is not None:
+        record["init"] = image
+        if mask is not None:
+            record["mask"] = mask
     n = len(sig) - 1
 
     def on_step(i, sigma, latents_in, velocity):
@@ -475,13 +560,15 @@ def denoise(model, enc, options, trace=False, next_seed=None):
             record[f"latents.{i:03d}"] = np.array(latents_in, dtype=np.float32)
             record[f"velocity.{i:03d}"] = np.array(velocity, dtype=np.float32)
 
+    keep = None if mask is None else (image, mask, noise)
     if model.device == "cuda":     # the trajectory on the GPU, one graph per step (ops.cuda_denoiser)
         latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
-                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace)
+                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep)
     else:
         latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
                                  uncond_skip_layers=options.uncond_skip_layers,
-                                 skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step)
+                                 skip_start=options.skip_start, skip_stop=options.skip_stop, on_step=on_step,
+                                 keep=keep)
     check_finite(latents, "the denoised latents")
     meta = dict(options.metadata())
     if n != options.steps:      # recorded only then, so a LAT whose steps all ran keeps its bytes
@@ -490,6 +577,11 @@ def denoise(model, enc, options, trace=False, next_seed=None):
                  "moss.negative": enc.metadata.get("moss.negative", "") if options.cfg else "",
                  "moss.device": model.device})
     meta.update(model.lora_metadata())
+    if init is not None:
+        meta.update({"moss.strength": repr(float(init.strength)), "moss.init_sha256": init.image.sha256,
+                     "moss.picture_sha256": init.image.metadata.get("moss.picture_sha256", "")})
+        if mask is not None:
+            meta["moss.mask_sha256"] = init.mask_sha256
     lat = artifacts.build("denoise", {"latents": np.asarray(latents, dtype=np.float32)}, meta, model.fingerprint)
     traced = artifacts.build("trace", record, meta, model.fingerprint) if trace else None
     return lat, traced
@@ -499,6 +591,7 @@ def denoise(model, enc, options, trace=False, next_seed=None):
 
 PNG_KEYS = ("prompt", "negative", "seed", "steps", "guidance", "shift", "width", "height",
             "uncond_skip_layers", "skip_start", "skip_stop", "noise", "model")
+START_KEYS = ("strength", "picture_sha256", "mask_sha256")
 PNG_NUMBERS = {"seed": int, "steps": int, "width": int, "height": int,
                "guidance": float, "shift": float, "skip_start": float, "skip_stop": float}
 
@@ -526,6 +619,10 @@ def png_parameters(lat):
             params["lora"] = json.loads(lat.metadata["moss.lora"])
         except json.JSONDecodeError:
             params["lora"] = lat.metadata["moss.lora"]
+    for key in START_KEYS:          # only a run that started from a picture has them
+        if f"moss.{key}" in lat.metadata:
+            value = lat.metadata[f"moss.{key}"]
+            params[key] = float(value) if key == "strength" else value
     if lat.foreign or lat.metadata.get("moss.input") == "foreign":
         params["input"] = "foreign"
     return params

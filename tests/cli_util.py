@@ -19,7 +19,7 @@ class Result:
 def run(command, *args, stdin=None, env=None, timeout=300):
     exe = BIN / command
     argv = [str(exe)] if exe.exists() else [sys.executable, "-c",
-                                             f"from moss_cli.cli import {command.split('-')[1]}_command as c; c()"]
+                                             f"from moss_cli.cli import {command.split('-', 1)[1].replace('-', '_')}_command as c; c()"]
     p = subprocess.run(argv + [str(a) for a in args], input=stdin, capture_output=True, env=env, timeout=timeout)
     return Result(p.returncode, p.stdout, p.stderr.decode("utf-8", "replace"))
 

@@ -18,7 +18,7 @@ from numba import cuda
 
 from cuda_kernels import dit
 
-from ..schedule import timesteps
+from ..schedule import keep_region, timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
 from .cuda_table import CudaOps, make_window, numba_stream, planned_capture
 
@@ -108,11 +108,13 @@ class CudaDenoiser:
         return self._fixed[key]
 
     def sample(self, noise, sigmas, cond, uncond, guidance, skip_layers=(), skip_start=0.0, skip_stop=1.0,
-               on_step=None, arrays=False):
+               on_step=None, arrays=False, keep=None):
         """Denoise noise [1, C, h, w] along sigmas [N+1] as sampler.sample does; returns float32 latents.
 
         on_step(i, sigma, latents_in, velocity) after each step's graph has run: with `arrays` the two are
-        host copies (a trace), else None (progress only)."""
+        host copies (a trace), else None (progress only). `keep`: inpainting's (image latents, latent mask,
+        noise), put back after each step on the host by the CPU's own schedule.keep_region (the latents go
+        out and back between two graphs: a few MB a step)."""
         sigmas = np.asarray(sigmas, dtype=np.float32)
         steps = len(sigmas) - 1
         cfg = float(guidance) != 1.0
@@ -155,6 +157,11 @@ class CudaDenoiser:
             ends[i].record(queue)
             if i == 0:
                 launch_s = time.perf_counter() - first
+            if keep is not None:
+                stepped = x.copy_to_host(stream=queue)
+                queue.synchronize()
+                kept = keep_region(stepped.reshape(1, ch, h, w), *keep, sigmas[i + 1], last=i == steps - 1)
+                x.copy_to_device(np.ascontiguousarray(kept.reshape(ch, h * w)), stream=queue)
             if on_step is None:
                 continue
             if arrays:           # a trace: this step's velocity, copied out before the next step overwrites it

@@ -1,4 +1,5 @@
-"""Image ops for the VAE decoder: conv2d, group norm, nearest upsampling, clamp. Images are [C, H, W]."""
+"""Image ops for the VAE: conv2d, the encoder's stride-2 downsampling conv, group norm, nearest upsampling, clamp.
+Images are [C, H, W]."""
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -38,6 +39,26 @@ class ConvOps:
             out += b[:, None, None]
         if residual is not None:
             out += residual
+        return out
+
+    def downsample_conv(self, x, w, b):
+        """diffusers' Downsample2D with padding 0: x [C, H, W] zero-padded by one row at the bottom and one column
+        at the right, then a 3x3 stride-2 Conv2d w [O, C, 3, 3], b [O] -> [O, H/2, W/2] (H, W even).
+
+        im2col over bands of output rows, the taps read through strides of two rows and two columns."""
+        c, h, wd = x.shape
+        o, _, kh, kw = w.shape
+        xp = np.pad(x, ((0, 0), (0, 1), (0, 1)))
+        ho, wo = (h + 1 - kh) // 2 + 1, (wd + 1 - kw) // 2 + 1
+        wm = w.reshape(o, c * kh * kw)
+        sc, sr, sx = xp.strides
+        out = np.empty((o, ho, wo), dtype=self.dtype)
+        rows = max(1, IM2COL_BUDGET // (c * kh * kw * wo))
+        for r0 in range(0, ho, rows):
+            r1 = min(ho, r0 + rows)
+            cols = as_strided(xp[:, 2 * r0:], (c, kh, kw, r1 - r0, wo), (sc, sr, sx, 2 * sr, 2 * sx))
+            out[:, r0:r1] = np.matmul(wm, cols.reshape(c * kh * kw, (r1 - r0) * wo)).reshape(o, r1 - r0, wo)
+        out += b[:, None, None]
         return out
 
     def group_norm(self, x, groups, w, b, eps):

@@ -68,6 +68,9 @@ class CoreOps:
     def mul(self, a, b):
         return a * b
 
+    def div(self, a, b):
+        return a / b
+
     def scale(self, x, s):
         return x * self.dtype.type(s)
 

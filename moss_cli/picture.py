@@ -1,0 +1,114 @@
+"""Pictures in: a PNG, JPEG or WebP read with pillow and brought to the VAE encoder's input as diffusers'
+image processors do (Flux2ImageProcessor: resize, then RGB, then [-1, 1]), and an inpainting mask brought to the
+latent grid as FluxInpaintPipeline's mask processor and prepare_mask_latents do.
+"""
+
+import hashlib
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import PictureError, UsageError
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+MULTIPLE = 16        # VaeImageProcessor(vae_scale_factor=16) of the FLUX pipelines: sizes floored to multiples of 16
+RESAMPLE = "lanczos"  # VaeImageProcessor's resample, PIL.Image.Resampling.LANCZOS (reducing_gap None)
+VAE_FACTOR = 8       # pixels per latent pixel before the 2x2 patchify: the mask's grid in prepare_mask_latents
+
+
+@dataclass
+class Picture:
+    image: object        # a loaded PIL.Image in its own mode (RGBA, L, P... are converted after the resize)
+    sha256: str          # of the file's bytes
+    source: str
+
+    @property
+    def size(self):
+        return self.image.size
+
+    def target(self, width=None, height=None, option="--width/--height"):
+        """(width, height) the picture is resized to: the given ones, else its own floored to multiples of 16
+        (VaeImageProcessor.get_default_height_width)."""
+        w = self.image.width - self.image.width % MULTIPLE if width is None else width
+        h = self.image.height - self.image.height % MULTIPLE if height is None else height
+        for name, v in (("width", w), ("height", h)):
+            if v <= 0 or v % MULTIPLE:
+                given = width if name == "width" else height
+                if given is None:
+                    raise PictureError(f"{self.source}: {self.image.width}x{self.image.height} is too small; the "
+                                       f"{name} floors to {v}, the VAE needs a positive multiple of {MULTIPLE}")
+                raise UsageError(f"--{name} {v}: must be a positive multiple of {MULTIPLE}")
+        return w, h
+
+    def _resized(self, width, height):
+        from PIL import Image
+        return self.image.resize((width, height), resample=Image.Resampling.LANCZOS, reducing_gap=None)
+
+    def rgb(self, width, height):
+        """float32 [3, H, W] in [-1, 1]: resized in the picture's own mode, converted to RGB (alpha dropped,
+        gray repeated), /255, 2x - 1, as Flux2ImageProcessor.preprocess does."""
+        a = np.array(self._convert(self._resized(width, height), "RGB")).astype(np.float32) / np.float32(255)
+        return np.ascontiguousarray((np.float32(2) * a - np.float32(1)).transpose(2, 0, 1))
+
+    def mask(self, width, height):
+        """float32 [H, W] of 0 and 1 (1 = repaint): resized, converted to grayscale, /255, then < 0.5 -> 0 and
+        >= 0.5 -> 1, as FluxInpaintPipeline's mask processor does."""
+        a = np.array(self._convert(self._resized(width, height), "L")).astype(np.float32) / np.float32(255)
+        return np.where(a < np.float32(0.5), np.float32(0), np.float32(1))
+
+    def _convert(self, image, mode):
+        try:
+            return image.convert(mode)
+        except (ValueError, OSError) as e:
+            raise PictureError(f"{self.source}: cannot convert its mode {image.mode} to {mode} ({e})") from None
+
+
+def read(path):
+    """The Picture of PATH ('-' for stdin), loaded in full so a truncated file fails here."""
+    from PIL import Image, UnidentifiedImageError
+    if str(path) == "-":
+        if sys.stdin.isatty():
+            raise PictureError("stdin is a terminal; pipe a picture in or give a file name")
+        data, source = sys.stdin.buffer.read(), "stdin"
+    else:
+        source = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise PictureError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise PictureError(f"{path}: is a directory, not a picture") from None
+        except OSError as e:
+            raise PictureError(f"{path}: cannot read ({e.strerror})") from None
+    if not data:
+        raise PictureError(f"{source}: empty, not a picture")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        image.load()
+    except UnidentifiedImageError:
+        raise PictureError(f"{source}: not a PNG, JPEG or WebP picture") from None
+    except Image.DecompressionBombError as e:
+        raise PictureError(f"{source}: {e}") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise PictureError(f"{source}: truncated or corrupt picture ({e})") from None
+    return Picture(image, hashlib.sha256(data).hexdigest(), source)
+
+
+def nearest_rows(size_in, size_out):
+    """The source index of each output index of torch's nearest interpolation (floor(i * in/out) in float32)."""
+    scale = np.float32(size_in / size_out)
+    return np.minimum(np.floor(np.arange(size_out, dtype=np.float32) * scale).astype(np.int64), size_in - 1)
+
+
+def latent_mask(mask, channels, patch=(2, 2)):
+    """A [H, W] mask on the packed latent grid [1, channels, H/16, W/16]: nearest-interpolated to the VAE's
+    [H/8, W/8] grid, repeated over the latent channels and patchified like the latents (prepare_mask_latents)."""
+    h, w = mask.shape
+    pi, pj = patch
+    small = mask[nearest_rows(h, h // VAE_FACTOR)][:, nearest_rows(w, w // VAE_FACTOR)]
+    lat = channels // (pi * pj)
+    grid = np.broadcast_to(small, (lat,) + small.shape).reshape(lat, h // (VAE_FACTOR * pi), pi, w // (VAE_FACTOR * pj), pj)
+    return np.ascontiguousarray(grid.transpose(0, 2, 4, 1, 3).reshape(1, channels, h // (VAE_FACTOR * pi), w // (VAE_FACTOR * pj)), dtype=np.float32)

@@ -1,0 +1,119 @@
+"""Starting from a picture, the bad inputs: each is one error line, a non-zero exit and no output file."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from cli_util import copy_model, run, single_error
+from moss_cli.safetensors_io import load
+
+
+def png(size, mode="RGB", fmt="PNG"):
+    w, h = size
+    a = (np.random.default_rng(0).random((h, w, 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(a).convert(mode).save(out, fmt)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("errors")
+    (tmp / "in.png").write_bytes(png((64, 48)))
+    (tmp / "mask.png").write_bytes(png((64, 48), "L"))
+    (tmp / "small_mask.png").write_bytes(png((32, 48), "L"))
+    (tmp / "trunc.png").write_bytes(png((64, 48))[:300])
+    (tmp / "anim.gif").write_bytes(png((64, 48), fmt="GIF"))
+    (tmp / "text.png").write_bytes(b"not a picture at all\n")
+    (tmp / "tiny.png").write_bytes(png((10, 40)))
+    for command in [("moss-encode", "--prompt", "a fox", "--out", tmp / "p.enc", "--quiet"),
+                    ("moss-encode-image", tmp / "in.png", "--out", tmp / "in.lat", "--quiet")]:
+        r = run(*command)
+        assert r.code == 0, r.stderr
+    other = copy_model(tmp)
+    config = json.loads((other / "vae" / "config.json").read_text())
+    config["sample_size"] = 512                     # a different model: its fingerprint differs
+    (other / "vae" / "config.json").write_text(json.dumps(config))
+    r = run("moss-encode-image", tmp / "in.png", "--model", other, "--out", tmp / "other.lat", "--quiet")
+    assert r.code == 0, r.stderr
+    return tmp
+
+
+DENOISE = ["--seed", "1", "--steps", "2", "--quiet"]
+
+
+def fails(files, command, *args, says):
+    out = files / "out.file"
+    r = run(command, *args, "--out" if command != "moss-image" else "--picture",
+            out if command != "moss-image" else files / "out.png")
+    line = single_error(r)
+    assert says in line, line
+    assert not out.exists() and not (files / "out.png").exists()
+    assert not list(files.glob(".out*"))            # no temporary left behind either
+    return line
+
+
+@pytest.mark.parametrize("name,says", [("trunc.png", "truncated or corrupt picture"),
+                                       ("text.png", "not a PNG, JPEG or WebP picture"),
+                                       ("anim.gif", "not a PNG, JPEG or WebP picture"),
+                                       ("missing.png", "no such file"),
+                                       ("tiny.png", "too small")])
+def test_an_unreadable_picture(files, name, says):
+    fails(files, "moss-encode-image", files / name, "--quiet", says=says)
+    fails(files, "moss-image", "--prompt", "a fox", *DENOISE, "--init-image", files / name, says=says)
+
+
+def test_a_size_not_a_multiple_of_16(files):
+    fails(files, "moss-encode-image", files / "in.png", "--width", "50", "--quiet", says="multiple of 16")
+
+
+def test_a_mask_of_another_size(files):
+    says = "the mask is 32x48, the picture 64x48"
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--mask",
+          files / "small_mask.png", says=says)
+    fails(files, "moss-image", "--prompt", "a fox", *DENOISE, "--init-image", files / "in.png", "--mask",
+          files / "small_mask.png", says=says)
+
+
+@pytest.mark.parametrize("strength", ["0", "-0.1", "1.5", "nan"])
+def test_a_strength_outside_zero_to_one(files, strength):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--strength", strength,
+          says="must be in (0, 1]")
+    fails(files, "moss-image", "--prompt", "a fox", *DENOISE, "--init-image", files / "in.png", "--strength",
+          strength, says="must be in (0, 1]")
+
+
+def test_a_strength_that_leaves_no_step(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--strength", "1e-20",
+          says="leaves none of the 2 steps to run")
+
+
+def test_an_image_of_another_model(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "other.lat", says="made with another model")
+
+
+def test_another_stage_given_as_the_image(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "p.enc", says="is an ENC file, expected IMAGE")
+
+
+def test_a_mask_or_strength_without_a_picture(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--mask", files / "mask.png", says="--mask needs a picture")
+    fails(files, "moss-image", "--prompt", "a fox", *DENOISE, "--mask", files / "mask.png", says="--mask needs a picture")
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--strength", "0.5", says="--strength needs a picture")
+
+
+def test_a_size_that_contradicts_the_image(files):
+    fails(files, "moss-denoise", files / "p.enc", *DENOISE, "--init", files / "in.lat", "--width", "128",
+          says="was encoded at 64x48")
+
+
+def test_device_cuda_encodes_on_the_cpu_and_says_so(files):
+    r = run("moss-encode-image", files / "in.png", "--device", "cuda", "--out", files / "cuda.lat")
+    assert r.code == 0, r.stderr
+    assert "the VAE encoder has no GPU path yet: the picture is encoded on the CPU" in r.stderr
+    assert (files / "cuda.lat").read_bytes() == (files / "in.lat").read_bytes()
+    assert load(files / "cuda.lat")[1]["moss.device"] == "cpu"
+
