@@ -47,11 +47,47 @@ def encoder(d, fla=None):
     return ["### Encoder (Qwen3.5-9B)", ""] + _table(head, rows)
 
 
-def dit(d):
+def _compile_name(d):
+    """torch.compile as the run ran it: 'torch.compile (inductor, torch 2.11.0, triton 3.5.0)'."""
+    tc = d.get("torch_compile", {})
+    parts = [tc.get("backend", "inductor")] + [f"{k} {tc[k]}" for k in ("torch", "triton") if k in tc]
+    return f"torch.compile ({', '.join(parts)})"
+
+
+def _behind(d):
+    """One plain sentence per size where torch.compile's best mode was faster than ours."""
+    lines = []
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        if "torch_compile_ms" in s and s["torch_compile_ms"] < s["ours_ms"]:
+            lines.append(f"At {size}x{size} ours is behind torch.compile ({s['torch_compile_best']}): "
+                         f"{s['ours_ms']:.1f} ms a step against {s['torch_compile_ms']:.1f} ms.")
+    return lines
+
+
+def dit_compile(d):
+    """Each torch.compile mode at each size: ms a step, its compile time, the ratio to ours; or why it has none."""
     rows = []
     for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
-        rows.append([f"step with CFG, {size}x{size}", f"{s['ours_ms']:.1f} ms", f"{s['torch_bf16_ms']:.1f} ms",
-                     f"{s['floor_ms']:.1f} ms", _ratio(s["torch_bf16_ms"], s["ours_ms"])])
+        for mode, c in s.get("torch_compile", {}).items():
+            best = " (best)" if mode == s.get("torch_compile_best") else ""
+            rows.append([f"{size}x{size}", f"{mode}{best}", f"{c['ms']:.1f} ms" if "ms" in c else c.get("error", ""),
+                         f"{c['compile_s']:.1f} s" if "compile_s" in c else "", _ratio(c.get("ms"), s["ours_ms"])])
+    if not rows:
+        return []
+    return [f"The DiT step under {_compile_name(d)}, static shapes, each mode compiled afresh per size:", ""] + _table(
+        ["size", "mode", "ms a step", "compile (first call)", "that / ours"], rows)
+
+
+def dit(d):
+    rows = []
+    compiled = any("torch_compile_ms" in s for s in d["sizes"].values())
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        row = [f"step with CFG, {size}x{size}", f"{s['ours_ms']:.1f} ms", f"{s['torch_bf16_ms']:.1f} ms",
+               f"{s['floor_ms']:.1f} ms", _ratio(s["torch_bf16_ms"], s["ours_ms"])]
+        if compiled:
+            row += [f"{s['torch_compile_ms']:.1f} ms ({s['torch_compile_best']})" if "torch_compile_ms" in s else "",
+                    _ratio(s.get("torch_compile_ms"), s["ours_ms"])]
+        rows.append(row)
     acc = d.get("accuracy_1024")
     if acc:
         rows.append(["CFG velocity vs float64, 1024x1024 (rel. L2)", f"{acc['ours_rel_l2']:.3g}",
@@ -68,7 +104,13 @@ def dit(d):
                          f"{alt['torch_cudnn']:.3f} ms", "", _ratio(alt["torch_cudnn"], alt["ours_graph"])])
     head = ["figure", "ours", f"torch {d.get('torch', '')} bf16 eager", "floor (products at the measured rate)",
             "baseline / ours"]
-    return [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
+    if compiled:
+        head += [f"{_compile_name(d)}, best mode", "that / ours"]
+        rows = [row + [""] * (len(head) - len(row)) for row in rows]
+    out = [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
+    behind = _behind(d)
+    extra = dit_compile(d)
+    return out + ([""] + behind if behind else []) + ([""] + extra if extra else [])
 
 
 def _decode_cell(s, who):

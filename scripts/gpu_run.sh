@@ -7,7 +7,8 @@
 # tuning (tests/gpu/test_gemm_tuning.py: every candidate of five tuned products, ~5 minutes, a call of its own),
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
-# dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
+# dit (the DiT at real size: accuracy against float64 and speed, ours beside torch eager and torch.compile;
+# DIT_ARGS="--compile-modes default max-autotune-no-cudagraphs" picks the modes), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
