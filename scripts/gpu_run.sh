@@ -16,7 +16,10 @@
 # rounds (default 2), picture_ab-UPLOADER-ROUND.json), image (`moss-image --device cuda` on that folder at its
 # defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
 # fresh machine compiles every kernel), budget (moss-image at 1024x1024 with all but 24, 16, 12 and 8 GB of the GPU held
-# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), tables (BENCHMARKS.md's
+# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), kernels (every kernel the product runs recorded in an empty
+# cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, a long
+# prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
+# first processes load their kernels instead of compiling them), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -92,12 +95,28 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
           fi
-          if [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
+          if [ "$step" = kernels ]; then
+            rec=$(mktemp -d)
+            long=$(python3 -c 'print(", ".join(["a red fox in the snow, morning light, detailed fur"] * 90))')
+            for args in "" "--model $model" "--model $model --width 512 --height 512" \
+                        "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12"; do
+              echo "recording: moss-image $args" | tee -a "$OUT/kernels.txt"
+              NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
+                $args --prompt "a red fox" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
+            done
+            NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
+              --model "$model" --prompt "$long" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
+            began=$(date +%s)
+            $limit python3 -m cuda_kernels.prebuilt build --cache "$rec" --out cuda_kernels/prebuilt 2>&1 | tee -a "$OUT/kernels.txt"
+            echo "built in $(( $(date +%s) - began )) s" | tee -a "$OUT/kernels.txt"
+            mkdir -p "$OUT/prebuilt" && cp cuda_kernels/prebuilt/*.kernels "$OUT/prebuilt/"
+            rm -rf "$rec"
+          elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then
             $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"
