@@ -4,7 +4,7 @@ whole picture, each row ours vs the torch baseline vs the floor where the run me
     bash scripts/gpu_run.sh encoder dit decoder load picture tables     # on the H200, one call
     python scripts/bench_tables.py DIR [--out tables.md]                 # DIR: that run's $OUT
 
-Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json and picture.json DIR holds; a missing
+Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json, picture.json and call_cost.json DIR holds; a missing
 one leaves its table out. Figures are printed as measured (no rounding beyond the column's digits).
 """
 
@@ -197,10 +197,39 @@ def picture(d, dit_json=None, decoder_json=None):
     return lines + _table(head, rows)
 
 
+COST_PARTS = ("checkpoint open", "transformer upload", "kernels: compiled", "kernels: prebuilt lookups",
+              "cuBLASLt plans", "cuDNN plans", "graph captures", "encode", "denoise", "decode", "PNG")
+
+
+def call_cost(d):
+    """One row per command, size and kernel cache (medians of the runs): from the command to its exit, its
+    imports, the parts timed inside it, its teardown; then each size's chained commands against one call."""
+    rows = []
+    order = {"image": 0, "encode": 1, "denoise": 2, "decode": 3}
+    for key, m in sorted(d["medians"].items(), key=lambda kv: (int(kv[0].split()[1]), kv[0].split()[2],
+                                                                order.get(kv[0].split()[0], 4))):
+        command, size, cache = key.split()
+        rows.append([f"moss-{command} {size}x{size}", cache, str(m["runs"]), f"{m['wall_s']:.2f} s",
+                     f"{m['imports_s']:.2f} s"] + [f"{m[p]:.2f} s" if p in m else "" for p in COST_PARTS]
+                    + [f"{m['teardown_s']:.2f} s"])
+    lines = ["### One call, from the command to its exit", "", "Kernel cache `first`: an empty folder (the kernels "
+             "come from the prebuilt files where there are any, else they compile); `warm`: filled by an earlier "
+             "process. Medians; the parts overlap where the command runs them on other threads.", ""]
+    lines += _table(["command", "kernel cache", "runs", "command to exit", "imports", *COST_PARTS, "teardown"], rows)
+    for size in sorted({int(k.split()[1]) for k in d["medians"]}):
+        parts = [d["medians"].get(f"{c} {size} warm") for c in ("encode", "denoise", "decode")]
+        one = d["medians"].get(f"image {size} warm")
+        if all(parts) and one:
+            lines += ["", f"Chained at {size}x{size}: " + " + ".join(f"{p['wall_s']:.2f}" for p in parts)
+                      + f" = {sum(p['wall_s'] for p in parts):.2f} s, against {one['wall_s']:.2f} s in one call."]
+    return lines
+
+
 def tables(folder):
     parts = []
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
                                                          "picture.json"))
+    cost = _load(folder, "call_cost.json")
     if enc:
         fla = _load(folder, "encoder_baseline_fla.json")
         bound = fla and any(str(m).startswith("fla") for m in fla.get("kernels", {}).values())
@@ -213,6 +242,8 @@ def tables(folder):
         parts += load(ld) + [""]
     if pic:
         parts += picture(pic, dj, dec) + [""]
+    if cost:
+        parts += call_cost(cost) + [""]
     return "\n".join(parts)
 
 

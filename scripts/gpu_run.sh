@@ -19,7 +19,9 @@
 # by a second process: scripts/gpu_budget.py $BUDGET_ARGS), kernels (every kernel the product runs recorded in an empty
 # cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, a long
 # prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
-# first processes load their kernels instead of compiling them), tables (BENCHMARKS.md's
+# first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
+# command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
+# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -95,7 +97,7 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget|kernels) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels|cost) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
@@ -116,6 +118,8 @@ for step in "$@"; do
             echo "built in $(( $(date +%s) - began )) s" | tee -a "$OUT/kernels.txt"
             mkdir -p "$OUT/prebuilt" && cp cuda_kernels/prebuilt/*.kernels "$OUT/prebuilt/"
             rm -rf "$rec"
+          elif [ "$step" = cost ]; then
+            $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/call_cost.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/call_cost.txt"
           elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then

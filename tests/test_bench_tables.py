@@ -129,3 +129,23 @@ def test_a_run_without_torch_compile_keeps_the_eager_table():
     text = "\n".join(bench_tables.dit(run))
     assert "torch.compile" not in text and "behind" not in text
     assert "| step with CFG, 1024x1024 | 181.5 ms | 333.0 ms | 142.9 ms | 1.83 |" in text
+
+
+def test_the_call_cost_table_has_a_row_per_command_and_cache_and_the_chain_against_one_call():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    part = {"runs": 3, "imports_s": 1.2, "teardown_s": 0.05, "checkpoint open": 0.1, "encode": 0.02}
+    cost = {"medians": {
+        "image 1024 first": dict(part, wall_s=12.5, **{"kernels: prebuilt lookups": 0.4, "denoise": 9.2}),
+        "image 1024 warm": dict(part, wall_s=11.0, denoise=9.1),
+        "decode 1024 warm": dict(part, wall_s=4.25),
+        "encode 1024 warm": dict(part, wall_s=3.5),
+        "denoise 1024 warm": dict(part, wall_s=12.0)}}
+    text = "\n".join(bench_tables.call_cost(cost))
+    rows = [line for line in text.splitlines() if line.startswith("| moss-")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| moss-image 1024x1024", "first"], ["| moss-image 1024x1024", "warm"],
+                                                 ["| moss-encode 1024x1024", "warm"], ["| moss-denoise 1024x1024", "warm"],
+                                                 ["| moss-decode 1024x1024", "warm"]]
+    assert rows[0].startswith("| moss-image 1024x1024 | first | 3 | 12.50 s | 1.20 s | 0.10 s |  |  | 0.40 s |")
+    assert rows[0].endswith("| 0.02 s | 9.20 s |  |  | 0.05 s |")
+    assert "Chained at 1024x1024: 3.50 + 12.00 + 4.25 = 19.75 s, against 11.00 s in one call." in text
