@@ -8,7 +8,7 @@ version or for another target (foreign), or whose bytes fail its checksum (corru
 kernels compile and go to the disk cache as they would without it, and `build` writes it anew.
 
     python -m cuda_kernels.prebuilt build [--cache DIR] [--out DIR] [--targets sm_80 sm_89 sm_90a compute_90]
-    moss-cli-build-kernels ...      (the same)
+    moss-cli-build-kernels ...      (the same, after compiling the upload lanes' host loop)
     python -m cuda_kernels.prebuilt check [--out DIR]     (each file's state for this install)
 """
 
@@ -273,19 +273,14 @@ def main(argv=None):
         return 0
     from .core import CACHE_DIR
     cache = args.cache or CACHE_DIR
-    if not cache or not Path(cache).is_dir():
-        print(f"no kernel cache at {cache}: run the product on a GPU first (it records every kernel it compiles)",
-              file=sys.stderr)
-        return 1
+    if not cache or not recorded(cache):
+        print(f"no kernels recorded in {cache} (a run on a GPU records every kernel it compiles): the prebuilt "
+              f"files in {out} stay as they are", file=sys.stderr)
+        return main(["check", "--out", str(out)])
     for target, (n, size, failed) in build(cache, out, args.targets, args.jobs).items():
         print(f"{out / (target + SUFFIX)}: {n} kernels, {size / 1e6:.3f} MB"
               + (f"; left out: {'; '.join(failed)}" if failed else ""))
     return 0
-
-
-def build_command():
-    """moss-cli-build-kernels: `build` with its options."""
-    sys.exit(main(["build"] + sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -355,3 +355,14 @@ def decode_command():
 
 def image_command():
     _run(_image, "moss-image")
+
+
+def build_kernels_command():
+    """moss-cli-build-kernels [build options]: what a first process would otherwise compile, compiled now (no GPU
+    needed, e.g. in an image's build step): the upload lanes' host loop into numba's cache, then the prebuilt GPU
+    kernel files from the kernels recorded in the kernel cache (python -m cuda_kernels.prebuilt build --help)."""
+    from cuda_kernels import prebuilt
+    from .ops.cuda_lanes import warm_without_gpu
+    warm_without_gpu()
+    click.echo("moss-cli-build-kernels: the upload lanes' loop is compiled", err=True)
+    sys.exit(prebuilt.main(["build"] + sys.argv[1:]))

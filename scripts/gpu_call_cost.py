@@ -6,9 +6,11 @@ preload and upload, the first use of cuBLASLt (product plans) and cuDNN (attenti
 the kernels compiled, loaded from the prebuilt files or from the disk cache, the encode, each denoising step
 (its end), the decode and the PNG; the teardown is the time from the command's return to the process's exit.
 
-Runs: `first` processes, each with an empty kernel cache folder (as a fresh machine: kernels come from the
-prebuilt files where there are any, else they compile), then `warm` ones sharing a folder a previous process
-filled; at each --sizes; then the three chained commands (encode, denoise, decode) as separate processes.
+Runs: `first` processes, each with an empty GPU kernel cache ($XDG_CACHE_HOME, as on a fresh machine: kernels come
+from the prebuilt files where there are any, else they compile; the host's numba cache as installed, where
+moss-cli-build-kernels compiles the upload lanes' loop; --cold-host empties that too), then `warm` ones sharing
+a folder a previous process filled; at each --sizes; then the three chained commands (encode, denoise, decode)
+as separate processes.
 
     python scripts/gpu_call_cost.py MODEL_DIR --out call_cost.json [--sizes 512 1024] [--runs 3] [--steps 50]
 
@@ -194,11 +196,15 @@ def child(report, command, args, t0):
 
 
 # --- the parent: processes, timed from spawn to exit ---------------------------------------------------
-def run(command, args, cache, env=None):
-    """One process of `command`: {"wall_s", "teardown_s", the child's report}."""
+def run(command, args, cache, cold_host=False):
+    """One process of `command` with its GPU kernel cache under `cache` (and numba's host cache there too where
+    cold_host): {"wall_s", "teardown_s", the child's report}."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        env = dict(env or os.environ, NUMBA_CACHE_DIR=str(cache))
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+        env["XDG_CACHE_HOME"] = str(cache)
+        if cold_host:
+            env["NUMBA_CACHE_DIR"] = str(Path(cache) / "numba")
         began = time.time()
         done = subprocess.run([sys.executable, __file__, "--child", str(report), str(began), command, "--", *args],
                               env=env, capture_output=True, text=True)
@@ -233,6 +239,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-chain", action="store_true", help="leave out the chained commands")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cold-host", action="store_true", help="first processes without numba's host cache either")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="call-cost-"))
     out = {"device": args.device, "steps": args.steps, "runs": []}
@@ -241,7 +248,7 @@ def main():
                  str(size), "--height", str(size), "--picture", str(work / f"{size}.png"), "--device", args.device, "--quiet"]
         for cache in ["first"] * args.runs + ["warm"] * args.runs:
             folder = work / ("warm" if cache == "warm" else f"first-{len(out['runs'])}")
-            r = run("image", image, folder)
+            r = run("image", image, folder, args.cold_host and cache == "first")
             r.update(size=size, cache=cache)
             out["runs"].append(r)
             print(summary_line(f"moss-image {size}x{size}, {cache} kernel cache", r), flush=True)
