@@ -114,7 +114,9 @@ for step in "$@"; do
             NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
               --model "$model" --prompt "$long" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
             began=$(date +%s)
-            $limit python3 -m cuda_kernels.prebuilt build --cache "$rec" --out cuda_kernels/prebuilt 2>&1 | tee -a "$OUT/kernels.txt"
+            # moss-cli-build-kernels: the lanes' host loop compiled, then the prebuilt files from the recording
+            $limit python3 -c 'from moss_cli.cli import build_kernels_command as c; c()' --cache "$rec" \
+              --out cuda_kernels/prebuilt 2>&1 | tee -a "$OUT/kernels.txt"
             echo "built in $(( $(date +%s) - began )) s" | tee -a "$OUT/kernels.txt"
             mkdir -p "$OUT/prebuilt" && cp cuda_kernels/prebuilt/*.kernels "$OUT/prebuilt/"
             rm -rf "$rec"

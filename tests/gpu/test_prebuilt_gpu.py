@@ -68,7 +68,7 @@ def test_a_fresh_process_runs_on_prebuilt_kernels_alone(tmp_path):
     print(recording, first)
     assert first["file"] == targets[0] + prebuilt.SUFFIX
     assert (first["compiled"], first["missing"], first["unusable"]) == (0, [], []), first["names"]
-    assert first["loaded"] == recording["compiled"]
+    assert first["loaded"] >= recording["compiled"]     # a kernel the recording loaded from its own cache is loaded too
     assert (tmp_path / "prebuilt.png").read_bytes() == (tmp_path / "recorded.png").read_bytes()
 
     path = tmp_path / "prebuilt" / (targets[0] + prebuilt.SUFFIX)
@@ -88,7 +88,7 @@ def test_a_fresh_process_runs_on_prebuilt_kernels_alone(tmp_path):
     assert "corrupt" in corrupt["rejected"] and corrupt["loaded"] == 0 and corrupt["compiled"] == recording["compiled"]
     _build(tmp_path, targets[:1])
     again = _image(tmp_path, "empty-again", "prebuilt", "again.png")
-    assert (again["compiled"], again["loaded"]) == (0, recording["compiled"])
+    assert again["compiled"] == 0 and again["loaded"] == first["loaded"]
     assert (tmp_path / "again.png").read_bytes() == (tmp_path / "recorded.png").read_bytes()
 
 
