@@ -21,7 +21,8 @@
 # prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
-# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS), tables (BENCHMARKS.md's
+# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
+# call_cost.json), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -121,7 +122,8 @@ for step in "$@"; do
             mkdir -p "$OUT/prebuilt" && cp cuda_kernels/prebuilt/*.kernels "$OUT/prebuilt/"
             rm -rf "$rec"
           elif [ "$step" = cost ]; then
-            $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/call_cost.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/call_cost.txt"
+            name=${COST_NAME:-call_cost}     # another name keeps a second run (e.g. without prebuilt kernels) beside it
+            $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
           elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then
