@@ -39,7 +39,6 @@ TIMED = [
     ("moss_cli.stages", "memory_plan", "memory plan"),
     ("moss_cli.stages", "encode", "encode"),
     ("moss_cli.stages", "denoise", "denoise"),
-    ("moss_cli.stages", "decode", "decode"),
     ("moss_cli.stages", "decode_pixels", "decode"),
     ("moss_cli.stages", "Model.encoder.func", "encoder load"),
     ("moss_cli.stages", "Model.transformer.func", "transformer load"),
@@ -66,7 +65,7 @@ class Timers:
     def __init__(self, t0):
         self.t0 = t0                # the parent's time.time() just before it spawned this process
         self.seconds, self.calls, self.events = {}, {}, []
-        self.imports = {}
+        self.imports, self.untimed = {}, []
         self._local = threading.local()
         self._lock = threading.Lock()
 
@@ -84,17 +83,17 @@ class Timers:
 
     def wrap(self, fn, label):
         timers = self
-        inside = threading.local()       # a recursive or nested call of the same label counts once
 
         def timed(*args, **kwargs):
-            if getattr(inside, "on", False):
+            active = timers._local.__dict__.setdefault("labels", set())
+            if label in active:              # a call inside another of the same label counts once
                 return fn(*args, **kwargs)
-            inside.on = True
+            active.add(label)
             began = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                inside.on = False
+                active.discard(label)
                 timers.add(label, time.perf_counter() - began)
         timed.__wrapped__ = fn
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
@@ -115,7 +114,10 @@ class Timers:
                 if spec is None or getattr(spec, "_initializing", False):
                     continue
                 pending.remove(item)
-                _patch(module, item[1], lambda fn, label=item[2]: timers.wrap(fn, label))
+                try:
+                    _patch(module, item[1], lambda fn, label=item[2]: timers.wrap(fn, label))
+                except AttributeError:      # renamed in the product: the run goes on, the report names it
+                    timers.untimed.append(f"{item[0]}.{item[1]}")
 
         def timed_import(name, globals=None, locals=None, fromlist=(), level=0):
             depth = getattr(timers._local, "depth", 0)
@@ -135,7 +137,7 @@ class Timers:
         builtins.__import__ = timed_import
 
     def report(self):
-        return {"events": self.events, "seconds": {k: round(v, 4) for k, v in sorted(self.seconds.items())},
+        return {"untimed": self.untimed, "events": self.events, "seconds": {k: round(v, 4) for k, v in sorted(self.seconds.items())},
                 "calls": self.calls, "imports": {k: round(v, 4) for k, v in
                                                  sorted(self.imports.items(), key=lambda kv: -kv[1])}}
 

@@ -24,7 +24,7 @@ def test_a_calls_time_is_split_into_its_parts(tmp_path):
         assert r["exit_code"] == 0 and 0 < r["returned_s"] < r["wall_s"] and r["teardown_s"] >= 0
         times = [t for t, _ in r["events"]]
         assert times == sorted(times) and r["events"][-1][1] == "command returned"
-        assert r["calls"]["checkpoint open"] == 1 and "moss_cli" in r["imports"]
+        assert r["calls"]["checkpoint open"] == 1 and "moss_cli" in r["imports"] and r["untimed"] == []
     image = runs[0]
     names = [name for _, name in image["events"]]
     for name in ("python started", "moss_cli imported", "cli imported", "step 1/2 done", "step 2/2 done",
