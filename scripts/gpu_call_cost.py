@@ -21,6 +21,7 @@ import argparse
 import builtins
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -269,6 +270,7 @@ def main():
                 print(summary_line(f"moss-{command} {size}x{size} (chain {i + 1})", r), flush=True)
     out["medians"] = medians(out["runs"])
     Path(args.out).write_text(json.dumps(out, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def medians(runs):
