@@ -84,6 +84,15 @@ cast._cache.save_overload(sig, dispatcher._Kernel(cast.py_func, sig, **cast.targ
 out["recorded"] = len(prebuilt.recorded(core.CACHE_DIR))
 report = prebuilt.build(core.CACHE_DIR, work / "prebuilt", ("sm_80", "sm_90a", "compute_90"))
 out["built"] = {target: [n, failed] for target, (n, size, failed) in report.items()}
+# each cubin file holds code for its own architecture, as nvdisasm reads it
+import pickle, subprocess
+out["arch"] = {}
+for target in ("sm_80", "sm_90a"):
+    kernels, _ = prebuilt.read(work / "prebuilt" / (target + ".kernels"), target)
+    cubin = work / (target + ".cubin")
+    cubin.write_bytes(pickle.loads(next(iter(kernels.values())))["code"])
+    sass = subprocess.run([resources.nvdisasm(), str(cubin)], capture_output=True, text=True).stdout
+    out["arch"][target] = [line.split()[-1] for line in sass.splitlines() if line.strip().startswith(".target")]
 shutil.copytree(core.CACHE_DIR, work / "recording")
 compiled.clear()
 
@@ -142,6 +151,7 @@ def test_prebuilt_kernels_are_loaded_instead_of_compiled_and_a_bad_file_is_rebui
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["recorded"] == 1
     assert out["built"] == {"sm_80": [1, []], "sm_90a": [1, []], "compute_90": [1, []]}
+    assert out["arch"] == {"sm_80": ["sm_80"], "sm_90a": ["sm_90a"]}
     for cc, target, key in (("(9, 0)", "sm_90a.kernels", "(9, 0, 'a')"), ("(8, 6)", "sm_80.kernels", "(8, 6, '')")):
         got = out[cc]
         assert (got["hits"], got["misses"], got["compiled"]) == (1, 0, []), got
