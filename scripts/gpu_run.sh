@@ -17,8 +17,8 @@
 # defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
 # fresh machine compiles every kernel), budget (moss-image at 1024x1024 with all but 24, 16, 12 and 8 GB of the GPU held
 # by a second process: scripts/gpu_budget.py $BUDGET_ARGS), kernels (every kernel the product runs recorded in an empty
-# cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, a long
-# prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
+# cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, no CFG,
+# a long prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
 # three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
@@ -107,7 +107,8 @@ for step in "$@"; do
             rec=$(mktemp -d)
             long=$(python3 -c 'print(", ".join(["a red fox in the snow, morning light, detailed fur"] * 90))')
             for args in "" "--model $model" "--model $model --width 512 --height 512" \
-                        "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12"; do
+                        "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12" \
+                        "--model $model --width 512 --height 512 --guidance 1"; do
               echo "recording: moss-image $args" | tee -a "$OUT/kernels.txt"
               NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
                 $args --prompt "a red fox" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
