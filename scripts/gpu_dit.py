@@ -110,8 +110,12 @@ def main():
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "text_tokens": TEXT}
     if args.compile_modes:
-        import triton
-        out["torch_compile"] = {"torch": torch.__version__, "triton": triton.__version__, "backend": "inductor",
+        try:
+            import triton
+            version = triton.__version__
+        except ImportError:          # inductor then fails per mode, and the rows say so
+            version = "absent"
+        out["torch_compile"] = {"torch": torch.__version__, "triton": version, "backend": "inductor",
                                 "modes": args.compile_modes, "dynamic": False}
     check_statement(out)
     cfg = dict(DEFAULTS)
