@@ -246,11 +246,12 @@ def main():
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="call-cost-"))
     out = {"device": args.device, "steps": args.steps, "runs": []}
-    for size in args.sizes:
+    for size in sorted(args.sizes):
         image = ["--model", args.model, "--prompt", PROMPT, "--seed", "1", "--steps", str(args.steps), "--width",
                  str(size), "--height", str(size), "--picture", str(work / f"{size}.png"), "--device", args.device, "--quiet"]
         for cache in ["first"] * args.runs + ["warm"] * args.runs:
-            folder = work / ("warm" if cache == "warm" else f"first-{len(out['runs'])}")
+            if cache == "first":        # a fresh folder each; the last one, filled, serves the warm runs
+                folder = work / f"first-{len(out['runs'])}"
             r = run("image", image, folder, args.cold_host and cache == "first")
             r.update(size=size, cache=cache)
             out["runs"].append(r)
@@ -263,8 +264,8 @@ def main():
                               str(size), "--height", str(size), "--out", str(lat)]),
                  ("decode", ["--model", args.model, str(lat), "--out", str(work / "chain.png")])]
         for i in range(args.runs):
-            for command, cargs in chain:
-                r = run(command, cargs + ["--device", args.device, "--quiet"], work / "warm")
+            for command, cargs in chain:     # in the largest size's warm folder
+                r = run(command, cargs + ["--device", args.device, "--quiet"], folder)
                 r.update(size=size, cache="warm", chain=i)
                 out["runs"].append(r)
                 print(summary_line(f"moss-{command} {size}x{size} (chain {i + 1})", r), flush=True)
