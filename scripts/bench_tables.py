@@ -4,7 +4,7 @@ whole picture, each row ours vs the torch baseline vs the floor where the run me
     bash scripts/gpu_run.sh encoder dit decoder load picture tables     # on the H200, one call
     python scripts/bench_tables.py DIR [--out tables.md]                 # DIR: that run's $OUT
 
-Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json, picture.json and call_cost.json DIR holds; a missing
+Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json, picture.json and call_cost*.json DIR holds; a missing
 one leaves its table out. Figures are printed as measured (no rounding beyond the column's digits).
 """
 
@@ -201,9 +201,10 @@ COST_PARTS = ("checkpoint open", "transformer upload", "kernels: compiled", "ker
               "cuBLASLt plans", "cuDNN plans", "graph captures", "encode", "denoise", "decode", "PNG")
 
 
-def call_cost(d):
+def call_cost(d, name="call_cost"):
     """One row per command, size and kernel cache (medians of the runs): from the command to its exit, its
-    imports, the parts timed inside it, its teardown; then each size's chained commands against one call."""
+    imports, the parts timed inside it, its teardown; then each size's chained commands against one call. `name`:
+    the output's name, shown where it is not the default one (e.g. call_cost_no_prebuilt)."""
     rows = []
     order = {"image": 0, "encode": 1, "denoise": 2, "decode": 3}
     for key, m in sorted(d["medians"].items(), key=lambda kv: (int(kv[0].split()[1]), kv[0].split()[2],
@@ -212,7 +213,8 @@ def call_cost(d):
         rows.append([f"moss-{command} {size}x{size}", cache, str(m["runs"]), f"{m['wall_s']:.2f} s",
                      f"{m['imports_s']:.2f} s"] + [f"{m[p]:.2f} s" if p in m else "" for p in COST_PARTS]
                     + [f"{m['teardown_s']:.2f} s"])
-    lines = ["### One call, from the command to its exit", "", "Kernel cache `first`: an empty folder (the kernels "
+    title = "### One call, from the command to its exit" + ("" if name == "call_cost" else f" ({name})")
+    lines = [title, "", "Kernel cache `first`: an empty folder (the kernels "
              "come from the prebuilt files where there are any, else they compile); `warm`: filled by an earlier "
              "process. Medians; the parts overlap where the command runs them on other threads.", ""]
     lines += _table(["command", "kernel cache", "runs", "command to exit", "imports", *COST_PARTS, "teardown"], rows)
@@ -229,7 +231,7 @@ def tables(folder):
     parts = []
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
                                                          "picture.json"))
-    cost = _load(folder, "call_cost.json")
+    costs = {path.stem: json.loads(path.read_text()) for path in sorted(Path(folder).glob("call_cost*.json"))}
     if enc:
         fla = _load(folder, "encoder_baseline_fla.json")
         bound = fla and any(str(m).startswith("fla") for m in fla.get("kernels", {}).values())
@@ -242,8 +244,8 @@ def tables(folder):
         parts += load(ld) + [""]
     if pic:
         parts += picture(pic, dj, dec) + [""]
-    if cost:
-        parts += call_cost(cost) + [""]
+    for name, cost in costs.items():
+        parts += call_cost(cost, name) + [""]
     return "\n".join(parts)
 
 

@@ -149,3 +149,6 @@ def test_the_call_cost_table_has_a_row_per_command_and_cache_and_the_chain_again
     assert rows[0].startswith("| moss-image 1024x1024 | first | 3 | 12.50 s | 1.20 s | 0.10 s |  |  | 0.40 s |")
     assert rows[0].endswith("| 0.02 s | 9.20 s |  |  | 0.05 s |")
     assert "Chained at 1024x1024: 3.50 + 12.00 + 4.25 = 19.75 s, against 11.00 s in one call." in text
+    assert text.startswith("### One call, from the command to its exit\n")
+    assert "\n".join(bench_tables.call_cost(cost, "call_cost_no_prebuilt")).startswith(
+        "### One call, from the command to its exit (call_cost_no_prebuilt)\n")
