@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 from numba import config, cuda, float32, uint16, uint32, uint64
 
+from . import prebuilt
+
 SIMULATED = bool(config.ENABLE_CUDASIM)
 if SIMULATED:            # thread blocks that wait on their barrier instead of polling it (sim_barrier)
     from . import sim_barrier
@@ -37,11 +39,8 @@ def _cache_dir(sources=Path(__file__).parent):
         return None
     if os.environ.get("NUMBA_CACHE_DIR"):
         return os.environ["NUMBA_CACHE_DIR"]
-    digest = hashlib.sha256()
-    for path in sorted(Path(sources).glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(root / "moss-cli" / "kernels" / digest.hexdigest()[:16])
+    return str(root / "moss-cli" / "kernels" / prebuilt.sources_digest(sources)[:16])
 
 
 CACHE_DIR = None if SIMULATED else _cache_dir()
@@ -89,21 +88,41 @@ def _index_key(func, sig, codegen):
     with the closure as _closure_bytes: a kernel compiled once loads from the disk in later processes. The
     sources themselves are in the cache folder's name (_cache_dir)."""
     import numba_cuda
+    return (sig, codegen.magic_tuple(), numba_cuda.__version__, _digests(func))
+
+
+def _digests(func):
+    """(sha256 of a kernel's code, of its closure as _closure_bytes): its part of every key it is stored by."""
     digest = lambda b: hashlib.sha256(b).hexdigest()       # noqa: E731
-    return (sig, codegen.magic_tuple(), numba_cuda.__version__,
-            (digest(func.__code__.co_code), digest(_closure_bytes(func))))
+    return digest(func.__code__.co_code), digest(_closure_bytes(func))
+
+
+def _prebuilt_first(dispatcher, cache):
+    """Make `cache` look a kernel up in the prebuilt files (prebuilt.py) before its own folder."""
+    own = cache.load_overload
+
+    def load_overload(sig, target_context):
+        kernel = prebuilt.load(dispatcher.py_func, sig)
+        return kernel if kernel is not None else own(sig, target_context)
+    cache.load_overload = load_overload
+    return cache
 
 
 def _cached(dispatcher):
-    """Keep the kernel's compiled code on disk; a kernel numba cannot pickle (linked code) is compiled each
-    process instead of failing."""
-    if not CACHE_DIR or getattr(dispatcher, "targetoptions", {}).get("device") or not _cache_writable():
+    """Take the kernel's compiled code from the prebuilt files, else keep it on disk; a kernel numba cannot
+    pickle (linked code) is compiled each process instead of failing. Where the folder cannot be written the
+    prebuilt files still serve."""
+    if not CACHE_DIR or getattr(dispatcher, "targetoptions", {}).get("device"):
+        return dispatcher
+    if not _cache_writable():
+        from numba.cuda.core.caching import NullCache
+        dispatcher._cache = _prebuilt_first(dispatcher, NullCache())
         return dispatcher
     try:
         dispatcher.enable_caching()
     except (RuntimeError, OSError):       # no usable cache location: compile each process
         return dispatcher
-    cache, save = dispatcher._cache, dispatcher._cache.save_overload
+    cache, save = _prebuilt_first(dispatcher, dispatcher._cache), dispatcher._cache.save_overload
     cache._index_key = lambda sig, codegen: _index_key(dispatcher.py_func, sig, codegen)
 
     def save_or_skip(sig, data):

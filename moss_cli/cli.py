@@ -14,9 +14,11 @@ from .progress import Progress
 
 
 def _run(command, prog):
-    """Run a click command; every failure becomes one line on stderr and a non-zero exit."""
+    """Run a click command; every failure becomes one line on stderr and a non-zero exit. A command that
+    succeeded leaves at once (_leave)."""
     try:
-        command.main(prog_name=prog, standalone_mode=False)
+        code = command.main(prog_name=prog, standalone_mode=False)     # an exit code where --help or --version ran
+        _leave(code if isinstance(code, int) else 0)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.ClickException as e:
@@ -45,6 +47,18 @@ def _run(command, prog):
             raise
         click.echo(f"{prog}: internal error: {type(e).__name__}: {e} (set MOSS_DEBUG=1 for a traceback)", err=True)
         sys.exit(3)
+
+
+def _leave(code):
+    """End the process once the command's files are written and closed, its output flushed: the interpreter's
+    teardown (freeing the pinned host buffers, destroying the CUDA context, collecting every module) is work
+    that nobody waits for."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):      # the reader went away, or the stream was closed
+            os._exit(1)
+    os._exit(code)
 
 
 def _gpu_memory_now():
@@ -497,3 +511,14 @@ def decode_command():
 
 def image_command():
     _run(_image, "moss-image")
+
+
+def build_kernels_command():
+    """moss-cli-build-kernels [build options]: what a first process would otherwise compile, compiled now (no GPU
+    needed, e.g. in an image's build step): the upload lanes' host loop into numba's cache, then the prebuilt GPU
+    kernel files from the kernels recorded in the kernel cache (python -m cuda_kernels.prebuilt build --help)."""
+    from cuda_kernels import prebuilt
+    from .ops.cuda_lanes import warm_without_gpu
+    warm_without_gpu()
+    click.echo("moss-cli-build-kernels: the upload lanes' loop is compiled", err=True)
+    sys.exit(prebuilt.main(["build"] + sys.argv[1:]))

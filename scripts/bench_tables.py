@@ -4,7 +4,7 @@ whole picture, each row ours vs the torch baseline vs the floor where the run me
     bash scripts/gpu_run.sh encoder dit decoder load picture tables     # on the H200, one call
     python scripts/bench_tables.py DIR [--out tables.md]                 # DIR: that run's $OUT
 
-Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json and picture.json DIR holds; a missing
+Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json, picture.json and call_cost*.json DIR holds; a missing
 one leaves its table out. Figures are printed as measured (no rounding beyond the column's digits).
 """
 
@@ -47,11 +47,47 @@ def encoder(d, fla=None):
     return ["### Encoder (Qwen3.5-9B)", ""] + _table(head, rows)
 
 
-def dit(d):
+def _compile_name(d):
+    """torch.compile as the run ran it: 'torch.compile (inductor, torch 2.11.0, triton 3.5.0)'."""
+    tc = d.get("torch_compile", {})
+    parts = [tc.get("backend", "inductor")] + [f"{k} {tc[k]}" for k in ("torch", "triton") if k in tc]
+    return f"torch.compile ({', '.join(parts)})"
+
+
+def _behind(d):
+    """One plain sentence per size where torch.compile's best mode was faster than ours."""
+    lines = []
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        if "torch_compile_ms" in s and s["torch_compile_ms"] < s["ours_ms"]:
+            lines.append(f"At {size}x{size} ours is behind torch.compile ({s['torch_compile_best']}): "
+                         f"{s['ours_ms']:.1f} ms a step against {s['torch_compile_ms']:.1f} ms.")
+    return lines
+
+
+def dit_compile(d):
+    """Each torch.compile mode at each size: ms a step, its compile time, the ratio to ours; or why it has none."""
     rows = []
     for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
-        rows.append([f"step with CFG, {size}x{size}", f"{s['ours_ms']:.1f} ms", f"{s['torch_bf16_ms']:.1f} ms",
-                     f"{s['floor_ms']:.1f} ms", _ratio(s["torch_bf16_ms"], s["ours_ms"])])
+        for mode, c in s.get("torch_compile", {}).items():
+            best = " (best)" if mode == s.get("torch_compile_best") else ""
+            rows.append([f"{size}x{size}", f"{mode}{best}", f"{c['ms']:.1f} ms" if "ms" in c else c.get("error", ""),
+                         f"{c['compile_s']:.1f} s" if "compile_s" in c else "", _ratio(c.get("ms"), s["ours_ms"])])
+    if not rows:
+        return []
+    return [f"The DiT step under {_compile_name(d)}, static shapes, each mode compiled afresh per size:", ""] + _table(
+        ["size", "mode", "ms a step", "compile (first call)", "that / ours"], rows)
+
+
+def dit(d):
+    rows = []
+    compiled = any("torch_compile_ms" in s for s in d["sizes"].values())
+    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
+        row = [f"step with CFG, {size}x{size}", f"{s['ours_ms']:.1f} ms", f"{s['torch_bf16_ms']:.1f} ms",
+               f"{s['floor_ms']:.1f} ms", _ratio(s["torch_bf16_ms"], s["ours_ms"])]
+        if compiled:
+            row += [f"{s['torch_compile_ms']:.1f} ms ({s['torch_compile_best']})" if "torch_compile_ms" in s else "",
+                    _ratio(s.get("torch_compile_ms"), s["ours_ms"])]
+        rows.append(row)
     acc = d.get("accuracy_1024")
     if acc:
         rows.append(["CFG velocity vs float64, 1024x1024 (rel. L2)", f"{acc['ours_rel_l2']:.3g}",
@@ -68,7 +104,13 @@ def dit(d):
                          f"{alt['torch_cudnn']:.3f} ms", "", _ratio(alt["torch_cudnn"], alt["ours_graph"])])
     head = ["figure", "ours", f"torch {d.get('torch', '')} bf16 eager", "floor (products at the measured rate)",
             "baseline / ours"]
-    return [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
+    if compiled:
+        head += [f"{_compile_name(d)}, best mode", "that / ours"]
+        rows = [row + [""] * (len(head) - len(row)) for row in rows]
+    out = [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
+    behind = _behind(d)
+    extra = dit_compile(d)
+    return out + ([""] + behind if behind else []) + ([""] + extra if extra else [])
 
 
 def _decode_cell(s, who):
@@ -155,10 +197,41 @@ def picture(d, dit_json=None, decoder_json=None):
     return lines + _table(head, rows)
 
 
+COST_PARTS = ("checkpoint open", "transformer upload", "kernels: compiled", "kernels: prebuilt lookups",
+              "cuBLASLt plans", "cuDNN plans", "graph captures", "encode", "denoise", "decode", "PNG")
+
+
+def call_cost(d, name="call_cost"):
+    """One row per command, size and kernel cache (medians of the runs): from the command to its exit, its
+    imports, the parts timed inside it, its teardown; then each size's chained commands against one call. `name`:
+    the output's name, shown where it is not the default one (e.g. call_cost_no_prebuilt)."""
+    rows = []
+    order = {"image": 0, "encode": 1, "denoise": 2, "decode": 3}
+    for key, m in sorted(d["medians"].items(), key=lambda kv: (int(kv[0].split()[1]), kv[0].split()[2],
+                                                                order.get(kv[0].split()[0], 4))):
+        command, size, cache = key.split()
+        rows.append([f"moss-{command} {size}x{size}", cache, str(m["runs"]), f"{m['wall_s']:.2f} s",
+                     f"{m['imports_s']:.2f} s"] + [f"{m[p]:.2f} s" if p in m else "" for p in COST_PARTS]
+                    + [f"{m['teardown_s']:.2f} s"])
+    title = "### One call, from the command to its exit" + ("" if name == "call_cost" else f" ({name})")
+    lines = [title, "", "Kernel cache `first`: an empty folder (the kernels "
+             "come from the prebuilt files where there are any, else they compile); `warm`: filled by an earlier "
+             "process. Medians; the parts overlap where the command runs them on other threads.", ""]
+    lines += _table(["command", "kernel cache", "runs", "command to exit", "imports", *COST_PARTS, "teardown"], rows)
+    for size in sorted({int(k.split()[1]) for k in d["medians"]}):
+        parts = [d["medians"].get(f"{c} {size} warm") for c in ("encode", "denoise", "decode")]
+        one = d["medians"].get(f"image {size} warm")
+        if all(parts) and one:
+            lines += ["", f"Chained at {size}x{size}: " + " + ".join(f"{p['wall_s']:.2f}" for p in parts)
+                      + f" = {sum(p['wall_s'] for p in parts):.2f} s, against {one['wall_s']:.2f} s in one call."]
+    return lines
+
+
 def tables(folder):
     parts = []
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
                                                          "picture.json"))
+    costs = {path.stem: json.loads(path.read_text()) for path in sorted(Path(folder).glob("call_cost*.json"))}
     if enc:
         fla = _load(folder, "encoder_baseline_fla.json")
         bound = fla and any(str(m).startswith("fla") for m in fla.get("kernels", {}).values())
@@ -171,6 +244,8 @@ def tables(folder):
         parts += load(ld) + [""]
     if pic:
         parts += picture(pic, dj, dec) + [""]
+    for name, cost in costs.items():
+        parts += call_cost(cost, name) + [""]
     return "\n".join(parts)
 
 

@@ -8,7 +8,9 @@ in this run); host time per step; attention alone vs torch's SDPA backends; memo
 
 The baseline is a torch eager statement of the official bf16 chain (scripts/reference/dit.py's Statement in
 bf16: every op in bf16 as denoiser.md's rounding contract says, F.scaled_dot_product_attention with torch's
-default backend choice); the same statement in float64 is the reference. It is checked against moss_cli's float64 numpy graph on the
+default backend choice), and the same statement under torch.compile (inductor, each of --compile-modes compiled
+afresh per size with static shapes, its compile time reported; the fastest mode is the best baseline); the same
+statement in float64 is the reference. It is checked against moss_cli's float64 numpy graph on the
 tiny checkpoint first (printed), so it is the model and not a copy of our kernels.
 
     python scripts/gpu_dit.py --out dit.json
@@ -37,7 +39,8 @@ from moss_cli.transformer import DEFAULTS, expected_tensors
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floors import step_flops  # noqa: E402
 from reference.dit import Statement as TorchDit, random_vector  # noqa: E402
-from torch_timing import cuda_spans, kernel_table, matmul_tflops, median_ms, table_lines  # noqa: E402
+from torch_timing import (COMPILE_MODES, best_mode, compiled_ms, cuda_spans, kernel_table, matmul_tflops,  # noqa: E402
+                          median_ms, table_lines)
 
 TEXT = 300
 SKIP = (22,)
@@ -102,8 +105,18 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per size (ours)")
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel name over one 1024 step")
+    ap.add_argument("--compile-modes", nargs="*", default=list(COMPILE_MODES),
+                    help="torch.compile modes timed beside eager (none: eager only), e.g. max-autotune-no-cudagraphs")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "text_tokens": TEXT}
+    if args.compile_modes:
+        try:
+            import triton
+            version = triton.__version__
+        except ImportError:          # inductor then fails per mode, and the rows say so
+            version = "absent"
+        out["torch_compile"] = {"torch": torch.__version__, "triton": version, "backend": "inductor",
+                                "modes": args.compile_modes, "dynamic": False}
     check_statement(out)
     cfg = dict(DEFAULTS)
     torch.manual_seed(0)
@@ -164,12 +177,23 @@ def main():
         x = torch.as_tensor(noise, device="cuda")
         with torch.no_grad():
             base_ms = median_ms(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 3, warm=1)
+            compiled = compiled_ms(lambda: base.step(x, 900.0, -0.01, tb[0], tb[1], 3.0, SKIP), 5,
+                                   args.compile_modes, static=list(base.P.values())) if args.compile_modes else {}
+        best = best_mode(compiled)
+        if compiled:        # ours again after the compiled runs: a drift of the clock over them shows here
+            dit.sample(noise, sig, cond, uncond, 3.0, SKIP, 0.01, 1.0)
+            ours_after_ms = dit.timings["gpu_s"] / dit.timings["steps"] * 1e3
         flops = step_flops(cfg, h * w, TEXT, 2 * cfg["num_layers"] - len(SKIP))
         floor_ms = flops / (rate * 1e12) * 1e3
         row = {"ours_ms": ours_ms, "ours_50_step_ms": trajectory_ms, "ours_with_progress_ms": progress_ms,
                "ours_single_step_ms": statistics.median(single),
                "host_ms_per_step": tm["launch_s"] * 1e3, "torch_bf16_ms": base_ms,
                "floor_ms": floor_ms, "ratio": base_ms / ours_ms, "step_tflop": flops / 1e12}
+        if compiled:
+            row.update(torch_compile=compiled, ours_after_compile_ms=ours_after_ms)
+        if best:
+            row.update(torch_compile_best=best, torch_compile_ms=compiled[best]["ms"],
+                       ratio_vs_compile=compiled[best]["ms"] / ours_ms)
         out["sizes"][str(size)] = row
         if size == 1024:     # variants beside the default, then the default again (the clock drifts with heat)
             for name, attrs in (("qk_words4", {"qk_width": 2}), ("qk_group1", {"qk_group": 1}), ("again", {})):
@@ -189,6 +213,11 @@ def main():
         print(f"{size}x{size}: ours {ours_ms:.1f} ms/step (with progress {progress_ms:.1f}, one step alone "
               f"{row['ours_single_step_ms']:.1f}, host {row['host_ms_per_step']:.2f}), torch bf16 eager "
               f"{base_ms:.1f}, floor {floor_ms:.1f}, ratio {row['ratio']:.2f}x", flush=True)
+        for mode, c in compiled.items():
+            print(f"{size}x{size}: torch.compile {mode}: " + (f"{c['ms']:.1f} ms/step (compiled in {c['compile_s']:.1f} s), "
+                  f"that / ours {c['ms'] / ours_ms:.2f}x" if "ms" in c else c["error"]), flush=True)
+        if compiled:
+            print(f"{size}x{size}: ours after the compiled runs {ours_after_ms:.1f} ms/step", flush=True)
         if size == 1024:
             free1, _ = cuda.current_context().get_memory_info()
             ours_bytes = sum(a.nbytes for a in dit.ops._params.values() if hasattr(a, "nbytes")) + \

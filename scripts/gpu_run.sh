@@ -7,7 +7,8 @@
 # tuning (tests/gpu/test_gemm_tuning.py: every candidate of five tuned products, ~5 minutes, a call of its own),
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
-# dit (the DiT at real size: accuracy against float64 and speed), load (a random real-size folder in
+# dit (the DiT at real size: accuracy against float64 and speed, ours beside torch eager and torch.compile;
+# DIT_ARGS="--compile-modes default max-autotune-no-cudagraphs" picks the modes), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
@@ -15,7 +16,13 @@
 # rounds (default 2), picture_ab-UPLOADER-ROUND.json), image (`moss-image --device cuda` on that folder at its
 # defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
 # fresh machine compiles every kernel), budget (moss-image at 1024x1024 with all but 24, 16, 12 and 8 GB of the GPU held
-# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), tables (BENCHMARKS.md's
+# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), kernels (every kernel the product runs recorded in an empty
+# cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, no CFG,
+# a long prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
+# first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
+# command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
+# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
+# call_cost.json), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -91,12 +98,34 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels|cost) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
           fi
-          if [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
+          if [ "$step" = kernels ]; then
+            rec=$(mktemp -d)
+            long=$(python3 -c 'print(", ".join(["a red fox in the snow, morning light, detailed fur"] * 90))')
+            for args in "" "--model $model" "--model $model --width 512 --height 512" \
+                        "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12" \
+                        "--model $model --width 512 --height 512 --guidance 1"; do
+              echo "recording: moss-image $args" | tee -a "$OUT/kernels.txt"
+              NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
+                $args --prompt "a red fox" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
+            done
+            NUMBA_CACHE_DIR=$rec $limit python3 -c 'import sys; from moss_cli.cli import image_command; sys.argv[0] = "moss-image"; image_command()' \
+              --model "$model" --prompt "$long" --seed 1 --steps 2 --picture "$rec/p.png" --device cuda --quiet 2>&1 | tee -a "$OUT/kernels.txt"
+            began=$(date +%s)
+            # moss-cli-build-kernels: the lanes' host loop compiled, then the prebuilt files from the recording
+            $limit python3 -c 'from moss_cli.cli import build_kernels_command as c; c()' --cache "$rec" \
+              --out cuda_kernels/prebuilt 2>&1 | tee -a "$OUT/kernels.txt"
+            echo "built in $(( $(date +%s) - began )) s" | tee -a "$OUT/kernels.txt"
+            mkdir -p "$OUT/prebuilt" && cp cuda_kernels/prebuilt/*.kernels "$OUT/prebuilt/"
+            rm -rf "$rec"
+          elif [ "$step" = cost ]; then
+            name=${COST_NAME:-call_cost}     # another name keeps a second run (e.g. without prebuilt kernels) beside it
+            $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
+          elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then
             $limit python3 scripts/gpu_load.py "$model" --out "$OUT/load.json" ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.txt"

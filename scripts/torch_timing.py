@@ -1,7 +1,9 @@
-"""GPU timing tools of the GPU scripts, through torch: the median of CUDA-event-timed calls (the baselines), a
-product's rate (the floors), and the kernels a callable queues as CUPTI sees them (torch.profiler), summed per name with the idle gaps."""
+"""GPU timing tools of the GPU scripts, through torch: the median of CUDA-event-timed calls (the baselines), the
+same under torch.compile (each mode compiled afresh, its compile time beside it), a product's rate (the floors),
+and the kernels a callable queues as CUPTI sees them (torch.profiler), summed per name with the idle gaps."""
 
 import statistics
+import time
 
 import torch
 
@@ -21,6 +23,43 @@ def median_ms(fn, reps, warm=2):
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+COMPILE_MODES = ("default", "reduce-overhead")
+
+
+def compiled_ms(fn, reps, modes=COMPILE_MODES, static=(), warm=3):
+    """{mode: {"ms": median of `reps` calls, "compile_s": seconds of the first call (tracing, inductor's code and
+    autotuning, one run)}} of fn under torch.compile(mode=mode, dynamic=False), each mode compiled from an empty
+    dynamo cache; a mode that fails to compile or run gets {"error": its first line}. `static`: tensors (the
+    weights) marked as static addresses, so that CUDA graphs ("reduce-overhead") replay on them instead of
+    copying them into the graph's own buffers on every call."""
+    for t in static:
+        torch._dynamo.mark_static_address(t)
+    out = {}
+    for mode in modes:
+        compiled = None
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        try:
+            compiled = torch.compile(fn, mode=mode, dynamic=False)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            compiled()
+            torch.cuda.synchronize()
+            out[mode] = {"compile_s": time.perf_counter() - began, "ms": median_ms(compiled, reps, warm=warm)}
+        except Exception as e:           # the run goes on: the row says why this mode has no figure
+            out[mode] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
+        del compiled
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return out
+
+
+def best_mode(timings):
+    """The mode of compiled_ms's result with the smallest ms, or None where none ran."""
+    ran = {mode: t["ms"] for mode, t in timings.items() if "ms" in t}
+    return min(ran, key=ran.get) if ran else None
 
 
 def matmul_tflops(m, k, n, dtype):

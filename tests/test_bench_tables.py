@@ -79,3 +79,76 @@ def test_floors_are_the_runs_own_rates_applied_to_the_work():
     assert "| 0.15 s |" in text
     # a run without the rates leaves the floor empty rather than guessing it
     assert "| 0.15 s |" not in "\n".join(bench_tables.picture(pic, None, dec))
+
+
+def _dit_with_compile():
+    """A DiT run with torch.compile beside eager: at 512 reduce-overhead wins and is ahead of ours, at 1024 the
+    default mode wins and ours is ahead, at 2048 reduce-overhead failed to compile."""
+    return {"torch": "2.11.0", "text_tokens": 300,
+            "torch_compile": {"torch": "2.11.0", "triton": "3.5.0", "backend": "inductor",
+                              "modes": ["default", "reduce-overhead"], "dynamic": False},
+            "sizes": {
+                "512": {"ours_ms": 60.0, "torch_bf16_ms": 100.0, "floor_ms": 40.0, "torch_compile_best": "reduce-overhead",
+                        "torch_compile_ms": 55.0, "torch_compile": {
+                            "default": {"ms": 70.0, "compile_s": 13.5}, "reduce-overhead": {"ms": 55.0, "compile_s": 20.25}}},
+                "1024": {"ours_ms": 181.5, "torch_bf16_ms": 333.0, "floor_ms": 142.9, "torch_compile_best": "default",
+                         "torch_compile_ms": 185.5, "torch_compile": {
+                             "default": {"ms": 185.5, "compile_s": 13.5}, "reduce-overhead": {"ms": 186.0, "compile_s": 16.0}}},
+                "2048": {"ours_ms": 700.0, "torch_bf16_ms": 1300.0, "floor_ms": 600.0, "torch_compile_best": "default",
+                         "torch_compile_ms": 760.0, "torch_compile": {
+                             "default": {"ms": 760.0, "compile_s": 30.0},
+                             "reduce-overhead": {"error": "OutOfMemoryError: CUDA out of memory"}}}}}
+
+
+def test_the_dit_table_names_torch_compile_and_its_best_mode_beside_eager():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    text = "\n".join(bench_tables.dit(_dit_with_compile()))
+    assert "torch.compile (inductor, torch 2.11.0, triton 3.5.0), best mode | that / ours |" in text
+    # eager's ratio, then the best compiled mode and its ratio (185.5 / 181.5 = 1.02; 55 / 60 = 0.92)
+    assert "| step with CFG, 1024x1024 | 181.5 ms | 333.0 ms | 142.9 ms | 1.83 | 185.5 ms (default) | 1.02 |" in text
+    assert "| step with CFG, 512x512 | 60.0 ms | 100.0 ms | 40.0 ms | 1.67 | 55.0 ms (reduce-overhead) | 0.92 |" in text
+    # every mode with its compile time; the failed one says why
+    assert "| 512x512 | reduce-overhead (best) | 55.0 ms | 20.2 s | 0.92 |" in text
+    assert "| 1024x1024 | reduce-overhead | 186.0 ms | 16.0 s | 1.02 |" in text
+    assert "| 2048x2048 | reduce-overhead | OutOfMemoryError: CUDA out of memory |  |  |" in text
+    # said plainly where ours is not ahead, and only there
+    assert "At 512x512 ours is behind torch.compile (reduce-overhead): 60.0 ms a step against 55.0 ms." in text
+    assert "At 1024x1024 ours is behind" not in text and "At 2048x2048 ours is behind" not in text
+    assert text.count("### ") == 1
+
+
+def test_a_run_without_torch_compile_keeps_the_eager_table():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    run = _dit_with_compile()
+    del run["torch_compile"]
+    for s in run["sizes"].values():
+        for key in ("torch_compile", "torch_compile_ms", "torch_compile_best"):
+            del s[key]
+    text = "\n".join(bench_tables.dit(run))
+    assert "torch.compile" not in text and "behind" not in text
+    assert "| step with CFG, 1024x1024 | 181.5 ms | 333.0 ms | 142.9 ms | 1.83 |" in text
+
+
+def test_the_call_cost_table_has_a_row_per_command_and_cache_and_the_chain_against_one_call():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    part = {"runs": 3, "imports_s": 1.2, "teardown_s": 0.05, "checkpoint open": 0.1, "encode": 0.02}
+    cost = {"medians": {
+        "image 1024 first": dict(part, wall_s=12.5, **{"kernels: prebuilt lookups": 0.4, "denoise": 9.2}),
+        "image 1024 warm": dict(part, wall_s=11.0, denoise=9.1),
+        "decode 1024 warm": dict(part, wall_s=4.25),
+        "encode 1024 warm": dict(part, wall_s=3.5),
+        "denoise 1024 warm": dict(part, wall_s=12.0)}}
+    text = "\n".join(bench_tables.call_cost(cost))
+    rows = [line for line in text.splitlines() if line.startswith("| moss-")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| moss-image 1024x1024", "first"], ["| moss-image 1024x1024", "warm"],
+                                                 ["| moss-encode 1024x1024", "warm"], ["| moss-denoise 1024x1024", "warm"],
+                                                 ["| moss-decode 1024x1024", "warm"]]
+    assert rows[0].startswith("| moss-image 1024x1024 | first | 3 | 12.50 s | 1.20 s | 0.10 s |  |  | 0.40 s |")
+    assert rows[0].endswith("| 0.02 s | 9.20 s |  |  | 0.05 s |")
+    assert "Chained at 1024x1024: 3.50 + 12.00 + 4.25 = 19.75 s, against 11.00 s in one call." in text
+    assert text.startswith("### One call, from the command to its exit\n")
+    assert "\n".join(bench_tables.call_cost(cost, "call_cost_no_prebuilt")).startswith(
+        "### One call, from the command to its exit (call_cost_no_prebuilt)\n")

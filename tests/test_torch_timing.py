@@ -43,3 +43,11 @@ def test_by_family_names_ours_by_the_first_key_and_the_rest_as_cublas():
     assert group("_ZN6cudapy4conv6im2col_copy") == "im2col"
     assert group("Memcpy HtoD (Pinned -> Device)") == "Memcpy"
     assert group("sm90_xmma_gemm_f16") == "cuBLAS sm90_xmma_gemm_f16"
+
+
+def test_the_best_compile_mode_is_the_fastest_that_ran():
+    from torch_timing import best_mode
+    assert best_mode({"default": {"ms": 185.5, "compile_s": 13.5}, "reduce-overhead": {"ms": 181.0, "compile_s": 16.0},
+                      "max-autotune-no-cudagraphs": {"error": "RuntimeError: no triton"}}) == "reduce-overhead"
+    assert best_mode({"default": {"error": "BackendCompilerFailed"}}) is None
+    assert best_mode({}) is None

@@ -31,6 +31,19 @@ def _c_function(lib, name, restype, *argtypes):
     return function
 
 
+# the driver's entry points the upload lanes' compiled loop calls: attribute -> (name, argument types); each
+# returns a CUresult (int)
+LANE_CALLS = {"htod": ("cuMemcpyHtoDAsync_v2", (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint64)),
+              "record": ("cuEventRecord", (ctypes.c_uint64, ctypes.c_uint64)),
+              "wait": ("cuEventSynchronize", (ctypes.c_uint64,))}
+
+
+def libc_memcpy():
+    """libc's memcpy (destination, source, bytes as integers) as a ctypes function of its own."""
+    u64 = ctypes.c_uint64
+    return _c_function(ctypes.CDLL(None), "memcpy", u64, u64, u64, ctypes.c_size_t)
+
+
 class Driver:
     """The CUDA driver and libc through ctypes, on device `ordinal`'s primary context (`open`: now; else the
     entry points only, until open())."""
@@ -42,9 +55,8 @@ class Driver:
         except OSError as e:
             raise DeviceError(f"the CUDA driver (libcuda.so.1) is not found ({e})") from None
         f = lambda name, *args: _c_function(lib, name, status, *args)   # noqa: E731
-        self.htod = f("cuMemcpyHtoDAsync_v2", u64, u64, ctypes.c_size_t, u64)
-        self.record = f("cuEventRecord", u64, u64)
-        self.wait = f("cuEventSynchronize", u64)
+        for attr, (name, args) in LANE_CALLS.items():
+            setattr(self, attr, f(name, *args))
         self._stream_sync = f("cuStreamSynchronize", u64)
         self._set_current = f("cuCtxSetCurrent", u64)
         self._alloc = f("cuMemAlloc_v2", p64, ctypes.c_size_t)
@@ -54,7 +66,7 @@ class Driver:
         self._new_stream = f("cuStreamCreate", p64, ctypes.c_uint)
         self._new_event = f("cuEventCreate", p64, ctypes.c_uint)
         self._mem_info = f("cuMemGetInfo_v2", p64, p64)
-        self.memcpy = _c_function(ctypes.CDLL(None), "memcpy", u64, u64, u64, ctypes.c_size_t)
+        self.memcpy = libc_memcpy()
         self._init = f("cuInit", ctypes.c_uint)
         self._device_get = f("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         self._attribute = f("cuDeviceGetAttribute", ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)

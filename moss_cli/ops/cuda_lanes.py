@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit
 
-from .cuda_driver import _c_function
+from .cuda_driver import LANE_CALLS, _c_function, libc_memcpy
 from .host_weights import host_bytes
 
 LANES = min(8, os.cpu_count() or 1)   # lane threads
@@ -357,6 +357,15 @@ def warm(driver):
     run_lane(np.zeros((0, 3), np.int64), 0, 1, np.zeros(SLOTS, np.int64), 0, np.zeros(3 + SLOTS, np.int64),
              np.zeros(1, np.int64), 0, driver.memcpy, driver.htod, driver.record, driver.wait, _CLOCK,
              np.zeros(2, np.int64))
+
+
+def warm_without_gpu():
+    """warm() on a machine without a GPU or driver (an image's build step): libc's memcpy stands in for each
+    driver entry point, declared with the driver's prototypes, so the loop compiles to the code the product
+    runs and is kept in numba's cache; given no pieces, it calls none of them."""
+    libc = ctypes.CDLL(None)
+    stand_in = {attr: _c_function(libc, "memcpy", ctypes.c_int, *args) for attr, (_, args) in LANE_CALLS.items()}
+    warm(type("StandIn", (), dict(stand_in, memcpy=libc_memcpy())))
 
 
 _PROCESS = None

@@ -46,7 +46,8 @@ def _probe(env):
 
 
 def test_a_second_process_loads_the_kernel_from_the_cache(tmp_path):
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    # no prebuilt files: the first process must compile (prebuilt.py's own test covers those)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MOSS_PREBUILT_KERNELS=str(tmp_path / "none"))
     first, second = _probe(env), _probe(env)
     print(first, second)
     assert first["dir"] == str(tmp_path / "cache")

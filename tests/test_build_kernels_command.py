@@ -1,0 +1,34 @@
+"""moss-cli-build-kernels on a machine without a GPU: the upload lanes' host loop is compiled into numba's cache
+(a later process loads it, nothing compiled), and with no kernels recorded the prebuilt files are left as they
+are (none written) and their state is told."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LATER = """
+import json
+from moss_cli.ops import cuda_lanes
+cuda_lanes.warm_without_gpu()
+stats = cuda_lanes.run_lane.stats
+print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_the_host_loop_is_compiled_for_later_processes_and_no_recording_writes_no_files(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), MOSS_PREBUILT_KERNELS=str(tmp_path / "prebuilt"),
+               PYTHONPATH=str(ROOT))
+    built = subprocess.run([sys.executable, "-c", "from moss_cli.cli import build_kernels_command as c; c()"], env=env,
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "the upload lanes' loop is compiled" in built.stderr and "no kernels recorded" in built.stderr
+    assert built.stdout.splitlines() == [f"{t}: absent" for t in ("sm_80", "sm_89", "sm_90a", "compute_90")]
+    assert not (tmp_path / "prebuilt").exists()
+    later = subprocess.run([sys.executable, "-c", LATER], env=env, capture_output=True, text=True, timeout=600)
+    assert later.returncode == 0, later.stderr[-2000:]
+    assert json.loads(later.stdout) == [1, 0]        # loaded from the cache, not compiled
