@@ -143,12 +143,12 @@ class Qwen35Encoder:
             out.append(p + "input_layernorm.weight")
             if kind == "full_attention":
                 a = p + "self_attn."
-                out += [tuple(a + f"{n}_proj.weight" for n in "qkv"), a + "o_proj.weight", a + "q_norm.weight",
-                        a + "k_norm.weight"]
+                out += [tuple(a + f"{n}_proj.weight" for n in "qkv"), a + "q_norm.weight", a + "k_norm.weight",
+                        a + "o_proj.weight"]
             else:
                 a = p + "linear_attn."
                 out += [a + "conv1d.weight", tuple(a + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
-                        a + "out_proj.weight", a + "A_log", a + "dt_bias", a + "norm.weight"]
+                        a + "A_log", a + "dt_bias", a + "norm.weight", a + "out_proj.weight"]
             out += [p + "post_attention_layernorm.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     p + "mlp.down_proj.weight"]
         return out + ["norm.weight"]
