@@ -17,6 +17,11 @@ DEFAULT_SKIP_START = 0.01     # [M] S1 / SGLang cookbook (S2, S3 start at 0.0): 
 DEFAULT_SKIP_STOP = 1.0
 
 
+def skipped(i, n, layers, skip_start=DEFAULT_SKIP_START, skip_stop=DEFAULT_SKIP_STOP):
+    """The blocks step i of n skips on its negative pass: `layers` inside the window [start, stop), else none."""
+    return frozenset(layers) if skip_start <= i / n < skip_stop else frozenset()
+
+
 def guided(c, u, guidance):
     """u + g * (c - u) in float32, in that order."""
     return u + np.float32(guidance) * (c - u)
@@ -41,8 +46,7 @@ def sample(model, noise, sigmas, cond, uncond, guidance, uncond_skip_layers=DEFA
     for i in range(n):
         c = np.asarray(model.velocity(x, float(ts[i]), cond), dtype=np.float32)
         if cfg:
-            active = skip_start <= i / n < skip_stop
-            u = np.asarray(model.velocity(x, float(ts[i]), uncond, skip if active else frozenset()),
+            u = np.asarray(model.velocity(x, float(ts[i]), uncond, skipped(i, n, skip, skip_start, skip_stop)),
                            dtype=np.float32)
             v = guided(c, u, guidance)
         else:

@@ -18,6 +18,7 @@ from numba import cuda
 
 from cuda_kernels import dit
 
+from ..sampler import skipped
 from ..schedule import keep_region, timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
 from .cuda_table import CudaOps, make_window, numba_stream, planned_capture
@@ -135,7 +136,7 @@ class CudaDenoiser:
         cuda.synchronize()        # the tokens are in place before any replay reads them
         lengths = (cond.length, uncond.length if cfg else 0)
         # each step's pass kind: the blocks its negative pass skips (none outside the window, or without CFG)
-        kinds = [skip if cfg and skip_start <= i / steps < skip_stop else frozenset() for i in range(steps)]
+        kinds = [skipped(i, steps, skip if cfg else (), skip_start, skip_stop) for i in range(steps)]
         graphs = {}
         for kind in kinds:
             if kind not in graphs:

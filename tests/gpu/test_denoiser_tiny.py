@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cuda_kernels
+from moss_cli.sampler import skipped
 
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
@@ -66,7 +67,7 @@ def _errors(component, sig, trace):
     ts = timesteps(sig)
     errs = []
     for i, (x, v) in enumerate(trace):
-        skip = (22,) if 0.01 <= i / len(trace) < 1.0 else ()
+        skip = skipped(i, len(trace), (22,))
         ref = _cpu_velocity(cpu, x, float(ts[i]), cond, uncond, skip)
         errs.append(float(np.linalg.norm(v - ref) / np.linalg.norm(ref)))
     return errs

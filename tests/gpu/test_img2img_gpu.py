@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 import cuda_kernels
+from moss_cli.sampler import skipped
 
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
@@ -68,7 +69,7 @@ def _velocity_errors(files, trace):
     errs = []
     for i in range(n):
         x, t = trace[f"latents.{i:03d}"], float(ts[i])
-        skip = (22,) if 0.01 <= i / n < 1.0 else ()
+        skip = skipped(i, n, (22,))
         ref = guided(np.asarray(cpu.velocity(x, t, cond), np.float32),
                      np.asarray(cpu.velocity(x, t, uncond, skip), np.float32), 3.0)
         v = trace[f"velocity.{i:03d}"]
