@@ -227,6 +227,31 @@ def call_cost(d, name="call_cost"):
     return lines
 
 
+def budget(d):
+    """One row per emulated card (budget.json from scripts/gpu_budget.py): the plan, seconds from the command to its
+    exit against the all-resident call, the peak, the bytes streamed a picture and their floor at the link rate
+    measured in the same run, and whether the PNG is the all-resident one."""
+    rows, resident = [], next((r["seconds"] for r in d["rows"] if r["run"] == "all"), None)
+    for r in d["rows"]:
+        if r["run"] == "warm-up":
+            continue
+        plan = r["plan"].split(": ", 1)[-1]
+        streamed = f"{r['streamed_GB']:.1f} GB ({r['stream_floor_s']:.2f} s)" if "streamed_GB" in r else ""
+        rows.append([r["run"] if r["run"] != "all" else "everything free", plan, f"{r['seconds']:.2f} s",
+                     _ratio(r["seconds"], resident) if r["run"] != "all" else "1.00", f"{r['peak_GB']:.1f} GB",
+                     streamed, "yes" if r["equal_to_resident"] else "**no**"])
+    lines = [f"Host to device (pinned 1 GiB): {d['link_GBps']} GB/s; {d['steps']} steps at 1024x1024.", ""]
+    lines += _table(["GB free", "plan", "command to exit", "/ resident", "peak", "streamed a picture (floor)",
+                     "PNG = resident"], rows)
+    chain = next((r["chain"] for r in d["rows"] if "chain" in r), None)
+    if chain:
+        lines += ["", "At the smallest budget, the stage commands: " + ", ".join(
+            f"moss-{k} {v['seconds']:.2f} s (peak {v['peak_GB']:.1f} GB)" for k, v in chain.items()
+            if isinstance(v, dict)) + f"; the chain's PNG {'equals' if chain['equal_to_resident'] else 'differs from'}"
+            " the resident one."]
+    return lines
+
+
 def tables(folder):
     parts = []
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
@@ -246,6 +271,9 @@ def tables(folder):
         parts += picture(pic, dj, dec) + [""]
     for name, cost in costs.items():
         parts += call_cost(cost, name) + [""]
+    held = _load(folder, "budget.json")
+    if held:
+        parts += budget(held) + [""]
     return "\n".join(parts)
 
 

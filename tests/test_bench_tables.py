@@ -152,3 +152,21 @@ def test_the_call_cost_table_has_a_row_per_command_and_cache_and_the_chain_again
     assert text.startswith("### One call, from the command to its exit\n")
     assert "\n".join(bench_tables.call_cost(cost, "call_cost_no_prebuilt")).startswith(
         "### One call, from the command to its exit (call_cost_no_prebuilt)\n")
+
+
+def test_the_budget_table_reads_gpu_budget_rows():
+    from bench_tables import budget
+    rows = [{"run": "warm-up", "budget_GB": "all", "seconds": 40.0, "peak_GB": 28.0, "plan": "", "equal_to_resident": False},
+            {"run": "all", "budget_GB": "all", "seconds": 14.0, "peak_GB": 28.5,
+             "plan": "memory plan: 79.1 GB (free GPU memory), all resident: encoder resident, DiT resident, peak 28.6 GB",
+             "equal_to_resident": True},
+            {"run": "8", "budget_GB": "8", "seconds": 28.0, "peak_GB": 7.9, "plan": "memory plan: 7.5 GB (free GPU "
+             "memory), layers streamed", "equal_to_resident": True, "streamed_GB": 700.0, "stream_floor_s": 14.0,
+             "chain": {"encode": {"seconds": 5.0, "peak_GB": 7.0, "plan": ""}, "equal_to_resident": True}}]
+    lines = budget({"link_GBps": 50.0, "steps": 50, "rows": rows})
+    assert lines[0] == "Host to device (pinned 1 GiB): 50.0 GB/s; 50 steps at 1024x1024."
+    assert lines[4] == ("| everything free | 79.1 GB (free GPU memory), all resident: encoder resident, DiT resident, "
+                        "peak 28.6 GB | 14.00 s | 1.00 | 28.5 GB |  | yes |")
+    assert lines[5] == ("| 8 | 7.5 GB (free GPU memory), layers streamed | 28.00 s | 2.00 | 7.9 GB | 700.0 GB (14.00 s) "
+                        "| yes |")
+    assert "moss-encode 5.00 s (peak 7.0 GB)" in lines[-1] and "equals" in lines[-1]
