@@ -195,7 +195,8 @@ class MossTransformer:
         return out + ["final_linear_video.weight"]
 
     # --- host tables, cached -----------------------------------------------------------------
-    def _rope(self, h, w, length):
+    def rope(self, h, w, length):
+        """The RoPE tables (cos, sin) of an h x w image and a text of `length` tokens, made once, on the op table."""
         key = (h, w, length)
         if key not in self._tables:
             cos, sin = rope_tables(positions(h, w, length), self.head_dim, self.config["rope_base"],
@@ -299,7 +300,7 @@ class MossTransformer:
         h, w = latents.shape[2:]
         n = h * w
         mod, head = self._conditioning(timestep)
-        cos, sin = self._rope(h, w, text.length)
+        cos, sin = self.rope(h, w, text.length)
         x = ops.transpose(ops.reshape(ops.array(latents), (ch, n)), (1, 0))   # token y*w + x
         v = self.tokens_velocity(x, n, mod, head, cos, sin, text, skip)
         out = ops.host(ops.reshape(ops.transpose(v, (1, 0)), (1, ch, h, w)))

@@ -69,11 +69,11 @@ class CudaDenoiser:
         mod, head = model.conditioning(step[:freq].reshape(1, freq))
         tokens = ops.new((n, ch), np.uint16)
         dit.patchify(x, tokens, stream=ops.stream)
-        cos, sin = model._rope(h, w, cond.length)
+        cos, sin = model.rope(h, w, cond.length)
         c = model.tokens_velocity(tokens, n, mod, head, cos, sin, cond)
         u = c
         if cfg:
-            cos, sin = model._rope(h, w, uncond.length)
+            cos, sin = model.rope(h, w, uncond.length)
             u = model.tokens_velocity(tokens, n, mod, head, cos, sin, uncond, skip)
         dit.cfg_euler(x, c, u, velocity, step[freq:], cfg=cfg, stream=ops.stream)
 
