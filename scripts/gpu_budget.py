@@ -152,12 +152,13 @@ def main():
                 row["chain"]["equal_to_resident"] = hashlib.sha256(dec.read_bytes()).hexdigest() == reference
             rows.append(row)
             print(json.dumps(row), flush=True)
+            # written after every row: a call cut short keeps the rows it made
+            Path(a.out).write_text(json.dumps({"link_GBps": round(rate / 1e9, 1), "steps": a.steps, "rows": rows},
+                                              indent=1))
         finally:
             if holder is not None:
                 holder.stdin.close()
                 holder.wait()
-    Path(a.out).write_text(json.dumps({"link_GBps": round(rate / 1e9, 1), "steps": a.steps, "rows": rows},
-                                      indent=1))
 
 
 if __name__ == "__main__":
