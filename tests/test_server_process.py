@@ -11,7 +11,7 @@ import pytest
 from cli_util import run, single_error
 from server_util import WAIT_S, Background, free_port, run_process, start_process, until, wait_ready
 
-SLOW = {"prompt": "a red fox", "seed": 3, "width": 128, "height": 128, "steps": 8}   # seconds, even on a fast CPU
+SLOW = {"prompt": "a red fox", "seed": 3, "width": 256, "height": 256, "steps": 24}   # seconds, even on a fast CPU
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -42,8 +42,8 @@ def test_a_signal_mid_picture_finishes_it_answers_the_waiting_503_and_exits_0(tm
     assert waiting.json()["error"]["message"] == "the server is shutting down"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=WAIT_S)
-    r = run("moss-image", "--prompt", SLOW["prompt"], "--seed", 3, "--width", 128, "--height", 128, "--steps", 8,
-            "--picture", tmp_path / "p.png", "--quiet")
+    r = run("moss-image", "--prompt", SLOW["prompt"], "--seed", 3, "--width", SLOW["width"], "--height",
+            SLOW["height"], "--steps", SLOW["steps"], "--picture", tmp_path / "p.png", "--quiet")
     assert r.code == 0 and done.content == (tmp_path / "p.png").read_bytes()
 
 
