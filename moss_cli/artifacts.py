@@ -62,25 +62,34 @@ def build(stage, tensors, metadata, fingerprint):
     return dumps({k: np.ascontiguousarray(v) for k, v in tensors.items()}, meta)
 
 
-def read_bytes(path):
-    """The bytes of PATH, or of stdin for '-'."""
+def read_input(path, what, file_kind, error=ArtifactError, option=None):
+    """(bytes, source) of PATH, or of stdin for '-'; a failure is one line of type ERROR. WHAT: what the input holds
+    ('an artifact'), FILE_KIND what a folder given for it is not ('an artifact file'); OPTION: the option that
+    named it, leading its lines."""
+    lead = f"{option} {path}: " if option else ""
     if str(path) == "-":
         if sys.stdin is None:
-            raise ArtifactError("stdin is closed; pipe an artifact in or give a file name")
+            raise error(f"{lead}stdin is closed; pipe {what} in or give a file name")
         if sys.stdin.isatty():
-            raise ArtifactError("stdin is a terminal; pipe an artifact in or give a file name")
-        data = sys.stdin.buffer.read()
-        if not data:
-            raise ArtifactError("stdin: no data (is the previous command's --out '-'?)")
-        return data, "stdin"
+            raise error(f"{lead}stdin is a terminal; pipe {what} in or give a file name")
+        return sys.stdin.buffer.read(), "stdin"
+    lead = lead or f"{path}: "
     try:
         return Path(path).read_bytes(), str(path)
     except FileNotFoundError:
-        raise ArtifactError(f"{path}: no such file") from None
+        raise error(f"{lead}no such file") from None
     except IsADirectoryError:
-        raise ArtifactError(f"{path}: is a directory, not an artifact file") from None
+        raise error(f"{lead}is a directory, not {file_kind}") from None
     except OSError as e:
-        raise ArtifactError(f"{path}: cannot read ({e.strerror})") from None
+        raise error(f"{lead}cannot read ({e.strerror})") from None
+
+
+def read_bytes(path):
+    """The bytes of PATH, or of stdin for '-'."""
+    data, source = read_input(path, "an artifact", "an artifact file")
+    if source == "stdin" and not data:
+        raise ArtifactError("stdin: no data (is the previous command's --out '-'?)")
+    return data, source
 
 
 def parse(data, source, stage, fingerprint=None, merged=False):

@@ -12,7 +12,6 @@ import dataclasses
 import os
 import re
 import string
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,21 +106,7 @@ def read_prompts(prompt, prompt_file):
     if prompt is not None:
         return [Prompt(prompt, 1, 1)]
     name = str(prompt_file)
-    if name == "-":
-        if sys.stdin is None:
-            raise UsageError("--prompt-file -: stdin is closed; pipe the prompts in or give a file name")
-        if sys.stdin.isatty():
-            raise UsageError("--prompt-file -: stdin is a terminal; pipe the prompts in or give a file name")
-        data = sys.stdin.buffer.read()
-    else:
-        try:
-            data = Path(name).read_bytes()
-        except FileNotFoundError:
-            raise UsageError(f"--prompt-file {name}: no such file") from None
-        except IsADirectoryError:
-            raise UsageError(f"--prompt-file {name}: is a directory, not a file") from None
-        except OSError as e:
-            raise UsageError(f"--prompt-file {name}: cannot read ({e.strerror})") from None
+    data, _ = artifacts.read_input(name, "the prompts", "a file", UsageError, "--prompt-file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

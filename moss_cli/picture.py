@@ -5,9 +5,7 @@ latent grid as FluxInpaintPipeline's mask processor and prepare_mask_latents do.
 
 import hashlib
 import io
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -69,20 +67,8 @@ class Picture:
 def read(path):
     """The Picture of PATH ('-' for stdin), loaded in full so a truncated file fails here."""
     from PIL import Image, UnidentifiedImageError
-    if str(path) == "-":
-        if sys.stdin.isatty():
-            raise PictureError("stdin is a terminal; pipe a picture in or give a file name")
-        data, source = sys.stdin.buffer.read(), "stdin"
-    else:
-        source = str(path)
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise PictureError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise PictureError(f"{path}: is a directory, not a picture") from None
-        except OSError as e:
-            raise PictureError(f"{path}: cannot read ({e.strerror})") from None
+    from .artifacts import read_input
+    data, source = read_input(path, "a picture", "a picture", PictureError)
     if not data:
         raise PictureError(f"{source}: empty, not a picture")
     try:

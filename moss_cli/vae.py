@@ -67,12 +67,7 @@ def expected_tensors(config):
     for j in range(2):
         t.update(_resnet_tensors(f"decoder.mid_block.resnets.{j}.", top, top))
     if c["attention"]:
-        a = "decoder.mid_block.attentions.0."
-        t[a + "group_norm.weight"] = (top,)
-        t[a + "group_norm.bias"] = (top,)
-        for proj in ("to_q", "to_k", "to_v", "to_out.0"):
-            t[a + proj + ".weight"] = (top, top)
-            t[a + proj + ".bias"] = (top,)
+        t.update(_attention_tensors("decoder.mid_block.attentions.0.", top))
     for i, (cin, cout, up) in enumerate(_up_blocks(c["widths"])):
         for j in range(c["layers"] + 1):
             t.update(_resnet_tensors(f"decoder.up_blocks.{i}.resnets.{j}.", cin if j == 0 else cout, cout))
@@ -84,6 +79,15 @@ def expected_tensors(config):
     t["decoder.conv_norm_out.bias"] = (bottom,)
     t["decoder.conv_out.weight"] = (c["out"], bottom, 3, 3)
     t["decoder.conv_out.bias"] = (c["out"],)
+    return t
+
+
+def _attention_tensors(prefix, width):
+    """The mid block's attention: its group norm and the four projections of `width` channels."""
+    t = {prefix + "group_norm.weight": (width,), prefix + "group_norm.bias": (width,)}
+    for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+        t[prefix + proj + ".weight"] = (width, width)
+        t[prefix + proj + ".bias"] = (width,)
     return t
 
 
@@ -103,12 +107,7 @@ def expected_encoder_tensors(config):
     for j in range(2):
         t.update(_resnet_tensors(f"encoder.mid_block.resnets.{j}.", top, top))
     if c["attention"]:
-        a = "encoder.mid_block.attentions.0."
-        t[a + "group_norm.weight"] = (top,)
-        t[a + "group_norm.bias"] = (top,)
-        for proj in ("to_q", "to_k", "to_v", "to_out.0"):
-            t[a + proj + ".weight"] = (top, top)
-            t[a + proj + ".bias"] = (top,)
+        t.update(_attention_tensors("encoder.mid_block.attentions.0.", top))
     t["encoder.conv_norm_out.weight"] = (top,)
     t["encoder.conv_norm_out.bias"] = (top,)
     t["encoder.conv_out.weight"] = (2 * lat, top, 3, 3)
