@@ -11,6 +11,7 @@ import socket
 import threading
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from PIL import Image
@@ -403,3 +404,33 @@ def test_the_next_waiting_requests_noise_is_drawn_while_the_picture_before_it_de
         gate.set()
         assert [x.result().status_code for x in (first, second)] == [200, 200]
     assert taken == [(5, None), (6, 6), (9, 9)]
+
+
+def test_an_adapter_named_at_start_serves_moss_image_lora_pictures(tmp_path):
+    """moss-server --lora: every request's PNG equals moss-image's with the same --lora (a kohya adapter on block 0's
+    q projection), and differs from the base model's."""
+    from safetensors.numpy import save_file
+    from moss_cli import lora
+    rng = np.random.default_rng(0)
+    q = open_checkpoint().component("transformer").tensors["layers.0.proj.q.weight"]
+    adapter = tmp_path / "style.safetensors"
+    save_file({"lora_unet_layers_0_proj_q.lora_down.weight": rng.standard_normal((4, q.shape[1])).astype(np.float32),
+               "lora_unet_layers_0_proj_q.lora_up.weight": rng.standard_normal((q.shape[0], 4)).astype(np.float32),
+               "lora_unet_layers_0_proj_q.alpha": np.array(4.0, np.float32)}, adapter)
+    options = ["--seed", 7, "--width", 64, "--height", 48, "--steps", 2, "--quiet"]
+    made = {}
+    for name, extra in (("base", []), ("lora", ["--lora", f"{adapter}:0.5"])):
+        r = run("moss-image", "--prompt", "a red fox", *options, *extra, "--picture", tmp_path / f"{name}.png")
+        assert r.code == 0, r.stderr
+        made[name] = (tmp_path / f"{name}.png").read_bytes()
+    engine = Engine(open_checkpoint(lora=[lora.parse_spec(f"{adapter}:0.5")]), device="cpu", warm=False).start()
+    try:
+        until(lambda: engine.state == "ready", "the engine to load")
+        with serving(create_app(engine)) as url:
+            served = post(url, {"prompt": "a red fox", "size": "64x48", "seed": 7, "num_inference_steps": 2})
+            assert served.status_code == 200, served.text
+            png = png_of(served.json()["data"][0])
+    finally:
+        engine.close()
+        engine.join(WAIT_S)
+    assert png == made["lora"] and png != made["base"]

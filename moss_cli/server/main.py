@@ -74,16 +74,16 @@ def _serve(engine, app, sock, quiet):
               help="Requests that may wait; one more is answered 429 with Retry-After.")
 @click.option("--api-key", envvar="MOSS_API_KEY", default=None,
               help="Require Authorization: Bearer KEY (default: $MOSS_API_KEY; none: no key).")
+@cli.lora_option
 @cli.quiet_option
 @cli.version_option
-def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, quiet):
+def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, lora, quiet):
     if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn")):
         raise UsageError("the server needs the server extra: pip install 'moss-cli[server]'")
-    from ..checkpoint import open_checkpoint
     from .app import create_app
     from .engine import Engine
     progress = Progress(quiet, "moss-server")
-    checkpoint = open_checkpoint(model_dir)
+    checkpoint = cli._checkpoint(model_dir, lora)    # adapters merged as each component loads, for every request
     api_key = api_key or None        # an empty $MOSS_API_KEY is no key
     engine = Engine(checkpoint, device=device, gpu_memory=gpu_memory, max_queue=max_queue, progress=progress)
     sock = _listen(host, port)
