@@ -120,6 +120,7 @@ class Plan:
     peak: int                           # the plan's largest need at once
     phases: dict                        # phase -> bytes (what each part of the run holds at once)
     size: tuple                         # (width, height) the pool was planned for
+    layer_counts: dict                  # component name -> its layers, for the components the stages load
 
     def layers(self, component):
         return self.streamed.get(component, ())
@@ -132,9 +133,9 @@ class Plan:
         """The plan in one line (stderr)."""
         parts = []
         for comp, label in (("text_encoder", "encoder"), ("transformer", "DiT")):
-            if comp not in self.phases.get("names", ()):
+            if comp not in self.layer_counts:
                 continue
-            n, total = len(self.layers(comp)), self.phases["layer_counts"][comp]
+            n, total = len(self.layers(comp)), self.layer_counts[comp]
             parts.append(f"{label} {n}/{total} layers streamed" if n else f"{label} resident")
         mode = {"resident": "all resident", "released": "encoder released after encoding",
                 "streamed": "layers streamed from pinned host memory"}[self.mode]
@@ -201,11 +202,10 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
     enc_pool = pool_bytes("encode", enc, width, height, text_tokens) if "encode" in stages else 0
     later = (dit.total if dit and "denoise" in stages else 0) + (vae.total if vae and "decode" in stages else 0)
     first = enc.total if enc and "encode" in stages else 0
-    counts = {n: len(weights[n].layers) for n in names if n in weights}
-    info = {"names": tuple(names), "layer_counts": counts}
+    counts = {n: len(weights[n].layers) for n in names if n in weights and n != "vae"}
 
     def plan(mode, streamed, peak, phases):
-        return Plan(budget, source, stages, mode, streamed, peak, dict(phases, **info), (width, height))
+        return Plan(budget, source, stages, mode, streamed, peak, phases, (width, height), counts)
 
     together = first + later + pool + reserve
     if together <= budget:
