@@ -17,6 +17,7 @@ import numpy as np
 from . import artifacts, schedule
 from .errors import ArtifactError, CheckpointError, DeviceError, PictureError, UsageError
 from .ops import numpy_ops
+from .ops.memory_plan import HOST_TENSORS    # read on the host, never uploaded: the plan and the room check agree
 from .progress import Silent
 
 # denoiser.md §5: defaults of the official pipeline where the checkpoint does not name its own.
@@ -186,10 +187,6 @@ def _gpu_memory():
     """(free, total) bytes of the current GPU."""
     from numba import cuda
     return cuda.current_context().get_memory_info()
-
-
-# tensors a component's GPU graph reads from the host, never uploaded (the encoder gathers its prompt's rows)
-HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}
 
 
 def _require_gpu_room(comp, matrix_bytes, memory=None):
