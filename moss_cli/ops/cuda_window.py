@@ -26,12 +26,15 @@ ALIGN = 256
 
 
 def _side_stream():
-    """A non-blocking stream for the copies (the simulator's own stream there)."""
+    """(numba's view of a non-blocking stream for the copies, the object that owns the stream): the owner must
+    live as long as the view, or the stream is destroyed under it (the simulator's own stream there)."""
     if SIMULATED:
-        return cuda.stream()
+        stream = cuda.stream()
+        return stream, stream
     from cuda.core import Device, StreamOptions
     from .cuda_table import numba_stream
-    return numba_stream(Device().create_stream(options=StreamOptions(nonblocking=True)))
+    owner = Device().create_stream(options=StreamOptions(nonblocking=True))
+    return numba_stream(owner), owner
 
 
 class Window:
@@ -65,7 +68,7 @@ class Window:
         self._t = -1              # uses of streamed layers so far in this pass
         self._uses = None         # the pass's layer order while capturing with prefetch, else None
         self._copied = {}
-        self._side = None
+        self._side = self._side_owner = None
         self.recorded = []
 
     def _fill(self, layer, items):
@@ -139,7 +142,7 @@ class Window:
             self._uses = None if uses is None else []
             return
         if self._side is None:
-            self._side = _side_stream()
+            self._side, self._side_owner = _side_stream()
         fork = self._event(ops)
         fork.record(ops._numba_stream())
         fork.wait(self._side)
