@@ -27,7 +27,12 @@
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
 #   ENCODER_ARGS=--quick bash scripts/gpu_run.sh dit decoder load picture encoder baseline tables
-# Wheels for what the image lacks (numpy 2.4 for numba-cuda 0.30.4, nvmath-python) are read from .wheels/.
+# Wheels for what the image lacks are read from .wheels/ (cp312, manylinux x86_64), made with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .wheels numpy==2.4.6 nvmath-python==1.0.1 \
+#     nvidia-cudnn-frontend fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
+#     openai distro jiter sniffio
+# (numpy 2.4 for numba-cuda 0.30.4; the server's stack and the openai client for tests/gpu/test_server_gpu.py).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
