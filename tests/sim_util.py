@@ -41,3 +41,25 @@ def cuda_ops_expected(stored):
             "b1": from_bf16_bits(stored["b1"].view(np.uint16)).astype(np.float32), "f3": stored["f3"],
             "stack": np.concatenate([stored["q"].view(np.uint16), stored["w2"].view(np.uint16),
                                      to_bf16_bits(stored["k"])])}
+
+
+def toolchain_present():
+    """Whether numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) loads: kernels then compile without a GPU."""
+    try:
+        from cuda import pathfinder
+        for lib in ("nvvm", "nvrtc", "nvJitLink"):
+            pathfinder.load_nvidia_dynamic_lib(lib)
+        return True
+    except Exception:
+        return False
+
+
+# a script's lines that count the kernels numba compiles in its process (into `compiled`, by qualified name);
+# the script imports numba.cuda's dispatcher first
+COUNT_COMPILES = """compiled = []
+real_init = dispatcher._Kernel.__init__
+def counting_init(self, *a, **k):
+    compiled.append(a[0].__qualname__)
+    real_init(self, *a, **k)
+dispatcher._Kernel.__init__ = counting_init
+"""

@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from sim_util import toolchain_present
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = json.loads((ROOT / "cuda_kernels" / "RESOURCES.json").read_text())
-
-
-def _toolchain_present():
-    try:
-        from cuda import pathfinder
-        for lib in ("nvvm", "nvrtc", "nvJitLink"):
-            pathfinder.load_nvidia_dynamic_lib(lib)
-        return True
-    except Exception:
-        return False
 
 
 def test_no_kernel_spills_or_uses_local_memory():
@@ -51,7 +43,7 @@ print(resources.count_instructions(cubin, resources.nvdisasm())[1])
 """
 
 
-@pytest.mark.skipif(not _toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
+@pytest.mark.skipif(not toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
 @pytest.mark.parametrize("python_float", [True, False])
 def test_float64_count_sees_a_python_float_in_a_kernel(python_float):
     """The planted control of the float64 check: the softmax's old bug (a Python -inf as the running max)
@@ -63,7 +55,7 @@ def test_float64_count_sees_a_python_float_in_a_kernel(python_float):
     assert (int(done.stdout) > 0) == python_float, done.stdout
 
 
-@pytest.mark.skipif(not _toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
+@pytest.mark.skipif(not toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
 def test_record_is_current():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     done = subprocess.run([sys.executable, "-m", "cuda_kernels.resources"], cwd=ROOT, env=env,

@@ -13,18 +13,9 @@ from pathlib import Path
 import pytest
 
 from cuda_kernels import prebuilt
+from sim_util import COUNT_COMPILES, toolchain_present
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _toolchain_present():
-    try:
-        from cuda import pathfinder
-        for lib in ("nvvm", "nvrtc", "nvJitLink"):
-            pathfinder.load_nvidia_dynamic_lib(lib)
-        return True
-    except Exception:
-        return False
 
 
 def test_each_device_takes_its_own_cubins_else_binary_compatible_ones_else_ptx():
@@ -65,13 +56,7 @@ resources._no_gpu_shim()
 from numba.cuda import codegen, dispatcher
 codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or (9, 0, "a")
 codegen.JITCUDACodegen.magic_tuple = lambda self: ((13, 5), (9, 0))
-compiled = []
-real_init = dispatcher._Kernel.__init__
-def counting_init(self, *a, **k):
-    compiled.append(a[0].__qualname__)
-    real_init(self, *a, **k)
-dispatcher._Kernel.__init__ = counting_init
-prebuilt._bind = lambda k: None          # loading a module onto a device needs one
+""" + COUNT_COMPILES + r"""prebuilt._bind = lambda k: None          # loading a module onto a device needs one
 from numba.cuda.core.caching import Cache     # and the disk cache's lookup refreshes the device's context first
 dispatcher.CUDACache.load_overload = lambda self, sig, ctx: Cache._load_overload(self, sig, ctx)
 
@@ -140,7 +125,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not _toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
+@pytest.mark.skipif(not toolchain_present(), reason="numba-cuda's cu13 extra (NVVM, NVRTC, nvJitLink) is not installed")
 def test_prebuilt_kernels_are_loaded_instead_of_compiled_and_a_bad_file_is_rebuilt(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), MOSS_PREBUILT_KERNELS=str(tmp_path / "prebuilt"),

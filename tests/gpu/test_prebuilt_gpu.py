@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import cuda_kernels
+from sim_util import COUNT_COMPILES
 
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
@@ -21,13 +22,7 @@ IMAGE = ["--prompt", "a red fox", "--seed", "7", "--steps", "3", "--device", "cu
 PROBE = """
 import json, sys
 from numba.cuda import dispatcher
-compiled = []
-real_init = dispatcher._Kernel.__init__
-def counting_init(self, *a, **k):
-    compiled.append(a[0].__qualname__)
-    real_init(self, *a, **k)
-dispatcher._Kernel.__init__ = counting_init
-import os
+""" + COUNT_COMPILES + """import os
 from moss_cli.cli import image_command
 from cuda_kernels import prebuilt
 leave = os._exit
