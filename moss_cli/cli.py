@@ -99,17 +99,17 @@ def _size(width, height):
     return of
 
 
-def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, progress, memory=None):
+def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, progress):
     """The GPU memory plan of a process running these stages (None on the CPU); with --plan printed on stdout,
     then the command exits. On the CPU --plan shows the plan a --gpu-memory budget would get."""
     if show_plan:
         plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size,
-                                  memory=memory if chosen == "cuda" else False)
+                                  memory=None if chosen == "cuda" else False)
         click.echo(plan.line())
         raise click.exceptions.Exit(0)
     if chosen != "cuda":
         return None
-    plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size, memory=memory)
+    plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size)
     progress.note(plan.line())
     return plan
 
