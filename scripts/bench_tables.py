@@ -252,6 +252,22 @@ def budget(d):
     return lines
 
 
+def server(d):
+    """moss-server's requests (server.json from scripts/server_bench.py): seconds at the client beside the server's
+    own seconds for the picture, the first request after start apart, one client and four at once."""
+    mean = lambda xs: sum(xs) / len(xs)          # noqa: E731
+    one, four = d["one_client"], d["four_clients"]
+    rows = [["first request after ready", f"{d['first']['request_s']:.2f} s", f"{d['first']['picture_s']:.2f} s",
+             f"{d['first']['request_s'] - d['first']['picture_s']:.3f} s"],
+            [f"1 client, {len(one['request_s'])} requests", f"{mean(one['request_s']):.2f} s",
+             f"{mean(one['picture_s']):.2f} s", f"{mean(one['request_s']) - mean(one['picture_s']):.3f} s"],
+            [f"4 clients, {len(four['request_s'])} requests", f"{four['per_picture_s']:.2f} s a picture (wall / count)",
+             f"{mean(four['picture_s']):.2f} s", f"{four['per_picture_s'] - mean(four['picture_s']):.3f} s"]]
+    lines = [f"moss-server at {d['size']}x{d['size']}, {d['steps']} steps: start to ready {d['ready_s']:.1f} s; the first "
+             f"PNG {'equals' if d['png_equals_moss_image'] else '**differs from**'} moss-image's.", ""]
+    return lines + _table(["requests", "at the client", "the server's picture", "serving adds"], rows)
+
+
 def tables(folder):
     parts = []
     enc, dj, dec, ld, pic = (_load(folder, n) for n in ("encoder_9b.json", "dit.json", "decoder.json", "load.json",
@@ -271,6 +287,9 @@ def tables(folder):
         parts += picture(pic, dj, dec) + [""]
     for name, cost in costs.items():
         parts += call_cost(cost, name) + [""]
+    served = _load(folder, "server.json")
+    if served:
+        parts += server(served) + [""]
     held = _load(folder, "budget.json")
     if held:
         parts += budget(held) + [""]

@@ -16,7 +16,8 @@
 # rounds (default 2), picture_ab-UPLOADER-ROUND.json), image (`moss-image --device cuda` on that folder at its
 # defaults, 1024x1024, 50 steps, guidance 3, three times, each timed from the command to its exit: the first on a
 # fresh machine compiles every kernel), budget (moss-image at 1024x1024 with all but 24, 16, 12 and 8 GB of the GPU held
-# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), kernels (every kernel the product runs recorded in an empty
+# by a second process: scripts/gpu_budget.py $BUDGET_ARGS), server (moss-server on that folder: the first request, then one
+# client and four at once, scripts/server_bench.py $SERVER_ARGS, server.json), kernels (every kernel the product runs recorded in an empty
 # cache folder by moss-image runs: the tiny checkpoint, that folder at 512, 1024 and 2048, a streamed plan, no CFG,
 # a long prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
@@ -103,7 +104,7 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget|kernels|cost) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels|cost|server) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
@@ -130,6 +131,8 @@ for step in "$@"; do
           elif [ "$step" = cost ]; then
             name=${COST_NAME:-call_cost}     # another name keeps a second run (e.g. without prebuilt kernels) beside it
             $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
+          elif [ "$step" = server ]; then     # moss-server's requests, one client and four: scripts/server_bench.py
+            $limit python3 scripts/server_bench.py --model "$model" --device cuda --out "$OUT/server.json" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/server.txt"
           elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then

@@ -247,7 +247,8 @@ def create_app(engine, api_key=None, kept=None):
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)
-        return Response(made[0].png, media_type="image/png", headers={"X-Moss-Seed": str(made[0].seed)})
+        return Response(made[0].png, media_type="image/png", headers={"X-Moss-Seed": str(made[0].seed),
+                                                                         "X-Moss-Seconds": f"{made[0].seconds:.4f}"})
 
     @api.get("/v1/images/{name}", name="image")
     async def image(name: str):

@@ -47,6 +47,7 @@ class Picture:
     seed: int
     png: bytes
     parameters: dict        # the PNG's parameters text, as JSON
+    seconds: float = 0.0    # its making in the engine: denoise, decode and PNG (and the prompt's encode when new)
 
 
 @dataclass(eq=False)
@@ -277,4 +278,4 @@ class Engine:
                                          next_seed=seeds[i + 1] if i + 1 < count else self._next_seed(options))
             png = encode_png(pixels, text)
             self.seconds = time.perf_counter() - began
-            yield Picture(seed, png, json.loads(text["parameters"]))
+            yield Picture(seed, png, json.loads(text["parameters"]), self.seconds)
