@@ -211,7 +211,7 @@ def open_models(checkpoint, device, progress, gpu_memory=None, size=None, held=F
 
     chosen = {stage: resolve(device, stage) for stage in STAGES}
     if preloaded and "cpu" in (chosen["encode"], chosen["denoise"]):     # auto chose the CPU after all
-        from .ops.cuda_preload import discard
+        from .memory.preload import discard
         discard()
     return model_for, chosen
 

@@ -85,7 +85,7 @@ def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, 
 def _warn_cpu_dit(checkpoint, device, chosen, progress):
     """--device auto that chose the CPU for a real-size DiT says why the GPU could not take it (hours on the CPU)."""
     from .device import gpu_status
-    from .ops.memory_plan import component_weights
+    from .memory.plan import component_weights
     if device != "auto" or chosen != "cpu" or component_weights(checkpoint.component("transformer")).total < 1e9:
         return
     progress.warn(f"the DiT runs on the CPU in float32 (hours at this size): {gpu_status()[1]}")
@@ -240,7 +240,7 @@ quiet_option = click.option("--quiet", is_flag=True, help="No progress on stderr
 
 
 def memory_options(f):
-    """--gpu-memory and --plan (ops.memory_plan)."""
+    """--gpu-memory and --plan (memory.plan)."""
     f = click.option("--plan", "show_plan", is_flag=True,
                      help="Print the GPU memory plan (what stays on the GPU, what streams) and exit without "
                           "loading.")(f)
@@ -518,7 +518,7 @@ def build_kernels_command():
     needed, e.g. in an image's build step): the upload lanes' host loop into numba's cache, then the prebuilt GPU
     kernel files from the kernels recorded in the kernel cache (python -m cuda_kernels.prebuilt build --help)."""
     from cuda_kernels import prebuilt
-    from .ops.cuda_lanes import warm_without_gpu
+    from .memory.lanes import warm_without_gpu
     warm_without_gpu()
     click.echo("moss-cli-build-kernels: the upload lanes' loop is compiled", err=True)
     sys.exit(prebuilt.main(["build"] + sys.argv[1:]))

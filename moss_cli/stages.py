@@ -17,7 +17,7 @@ import numpy as np
 from . import artifacts, schedule
 from .errors import ArtifactError, CheckpointError, DeviceError, PictureError, UsageError
 from .ops import numpy_ops
-from .ops.memory_plan import HOST_TENSORS    # read on the host, never uploaded: the plan and the room check agree
+from .memory.plan import HOST_TENSORS    # read on the host, never uploaded: the plan and the room check agree
 from .progress import Silent
 
 # denoiser.md §5: defaults of the official pipeline where the checkpoint does not name its own.
@@ -113,7 +113,7 @@ def host_need(checkpoint, stage, width, height, device):
     block's activations per token and one block of attention scores and their softmax, or the decoder's first
     full-size maps (the last up block's input, its normed copy, its first conv's output). On the GPU those
     live in its memory, which its memory plan checks."""
-    from .ops.numpy_core import ATTENTION_BLOCK
+    from .ops.numpy.core import ATTENTION_BLOCK
     from .vae import _config
     tc = checkpoint.config("transformer")
     tokens = (height // PATCH) * (width // PATCH)
@@ -198,7 +198,7 @@ def _require_gpu_room(comp, matrix_bytes, memory=None):
     host = HOST_TENSORS.get(comp.name, ())
     need = sum(int(a.size) * (matrix_bytes if a.ndim == 2 else 4) for k, a in comp.tensors.items() if k not in host)
     if need:
-        from .ops.cuda_preload import handed_bytes
+        from .memory.preload import handed_bytes
         need = max(0, need - handed_bytes(comp.tensors))
     if not need:
         return
@@ -215,11 +215,11 @@ PLAN_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode":
 
 
 def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT_SIZE), memory=None, held=False):
-    """The GPU memory plan (ops.memory_plan) for running `stages` in this process at this picture size, from the
+    """The GPU memory plan (memory.plan) for running `stages` in this process at this picture size, from the
     budget `gpu_memory` (GB, or $MOSS_GPU_MEMORY) within the GPU's free memory. `memory`: () -> (free, total)
     bytes, numba's by default; False with no GPU but a given budget (a plan printed on any machine); `held`: as
-    ops.memory_plan.make takes it."""
-    from .ops import memory_plan as mp
+    memory.plan.make takes it."""
+    from .memory import plan as mp
     weights = {PLAN_COMPONENTS[s]: mp.component_weights(checkpoint.component(PLAN_COMPONENTS[s])) for s in stages}
     free = None if memory is False else (memory or _gpu_memory)()[0]
     budget, source = mp.budget_bytes(gpu_memory, free)
@@ -228,7 +228,7 @@ def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT
 
 def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planner=None):
     """Start sending the weights of these stages' components to the GPU now, before the kernel library is
-    imported (cuda_preload: the CUDA driver through ctypes, the upload lanes), and return at once; the
+    imported (memory.preload: the CUDA driver through ctypes, the upload lanes), and return at once; the
     components made later take them. Nothing happens on the CPU or the simulator, where the GPU extra is
     missing, or where no usable GPU answers (the stages then say why when they resolve their device).
     `planner`: (free, total) memory function -> the memory plan, made once the driver answers: the components
@@ -240,13 +240,13 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planne
     if any(importlib.util.find_spec(m) is None for m in ("numba", "nvmath")):
         return 0, None
     import threading
-    from .ops import cuda_driver
+    from .memory import driver as cuda_driver
     try:
         drv = cuda_driver.Driver(open=False)
     except DeviceError:
         return 0, None
     import time
-    from .ops import cuda_lanes, cuda_preload
+    from .memory import lanes as cuda_lanes, preload as cuda_preload
     marks = cuda_preload.MARKS
     marks.clear()
     marks["began"] = time.perf_counter()
@@ -296,7 +296,7 @@ class Model:
         self.checkpoint = checkpoint
         self.device = device
         self.progress = progress or Silent()
-        self.plan = plan          # the GPU memory plan (ops.memory_plan); None: every component resident
+        self.plan = plan          # the GPU memory plan (memory.plan); None: every component resident
         self.ops = numpy_ops(np.float32)
         self._ahead = None        # ((shape, seed, kernel), the future of its noise) from draw_noise_ahead
         self._noise_thread = None
@@ -346,7 +346,7 @@ class Model:
         self.progress.note(f"loading text encoder ({self.device})")
         if self.device == "cuda":
             streamed = self._streamed(comp)
-            from .ops.cuda_table import cuda_encoder
+            from .gpu.encoder import cuda_encoder
             return cuda_encoder(comp, streamed=streamed)
         return encoder.Qwen35Encoder(self.ops, comp.tensors, encoder.text_config(comp.config))
 
@@ -357,7 +357,7 @@ class Model:
         self.progress.note(f"loading transformer ({self.device})")
         if self.device == "cuda":
             streamed = self._streamed(comp)
-            from .ops.cuda_denoiser import CudaDenoiser
+            from .gpu.denoiser import CudaDenoiser
             dit = CudaDenoiser(comp.tensors, comp.config, streamed=streamed)
             dit.upload()
             return dit
@@ -379,7 +379,7 @@ class Model:
         encoder = self.__dict__.pop("encoder", None)
         if encoder is None or self.device != "cuda":
             return
-        from .ops.cuda_table import release
+        from .gpu.capture import release
         release(encoder)
 
     @cached_property
@@ -405,7 +405,7 @@ class Model:
         if self.device == "cuda":
             if self.plan is None:
                 _require_gpu_room(comp, 4)
-            from .ops.cuda_decoder import CudaDecoder
+            from .gpu.decoder import CudaDecoder
             return CudaDecoder(comp.tensors, comp.config)
         return Decoder(self.ops, comp.tensors, comp.config)
 
@@ -558,7 +558,7 @@ def denoise(model, enc, options, trace=False, next_seed=None, init=None):
             record[f"velocity.{i:03d}"] = np.array(velocity, dtype=np.float32)
 
     keep = None if mask is None else (image, mask, noise)
-    if model.device == "cuda":     # the trajectory on the GPU, one graph per step (ops.cuda_denoiser)
+    if model.device == "cuda":     # the trajectory on the GPU, one graph per step (gpu.denoiser)
         latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
                              options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep)
     else:
@@ -646,7 +646,7 @@ def decode_pixels(model, lat):
         raise ArtifactError(f"{lat.source}: latents hold NaN or infinite values")
     decoder = model.decoder
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
-    # the GPU decoder rounds to uint8 on the device (ops.cuda_decoder); the CPU's pixels are vae.to_pixels
+    # the GPU decoder rounds to uint8 on the device (gpu.decoder); the CPU's pixels are vae.to_pixels
     if model.device == "cuda":
         pixels = decoder.decode(x)
     else:

@@ -15,7 +15,8 @@ import numpy as np
 from numba import cuda
 
 from cuda_kernels import gdn, gdn_chunk, gdn_setup
-from moss_cli.ops.cuda_table import CudaOps, capture
+from moss_cli.ops.cuda.table import CudaOps
+from moss_cli.gpu.capture import capture
 
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)

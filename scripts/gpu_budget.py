@@ -94,7 +94,7 @@ def streamed_bytes(model, plan_budget, steps):
     """Bytes the plan streams a picture (host to device), from the plan made for that budget."""
     from moss_cli import stages
     from moss_cli.checkpoint import open_checkpoint
-    from moss_cli.ops import memory_plan as mp
+    from moss_cli.memory import plan as mp
     checkpoint = open_checkpoint(model)
     plan = stages.memory_plan(checkpoint, ("encode", "denoise", "decode"), plan_budget / 1e9, (1024, 1024),
                               memory=lambda: (plan_budget, plan_budget))

@@ -79,7 +79,7 @@ def variants_ms(tensors, latents, calls):
     """Our decode timed at several tap conv chunk sizes (conv.TAP_BYTES: its split image and product)."""
     import gc
     from cuda_kernels import conv
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
     out, kept = {}, conv.TAP_BYTES
     for mb in (24, 32, 40, 48):
         conv.TAP_BYTES = mb << 20
@@ -96,7 +96,7 @@ def _op_errors(dec, latents):
     import torch
     import torch.nn.functional as F
     from numba import cuda
-    from moss_cli.ops.cuda_conv import Normalized, Upsampled
+    from moss_cli.ops.cuda.conv import Normalized, Upsampled
 
     ops, worst = dec.ops, {}
 
@@ -171,7 +171,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
-        from moss_cli.ops.cuda_decoder import CudaDecoder
+        from moss_cli.gpu.decoder import CudaDecoder
         latents = _latents(args.seed, args.ops)
         worst = _op_errors(CudaDecoder(random_tensors(SMALL, args.seed), SMALL, graphs=False), latents)
         for kind, (calls, err, peak) in sorted(worst.items(), key=lambda kv: -kv[1][1]):
@@ -183,7 +183,7 @@ def main(argv=None):
     from floors import decode_flops
     from reference import vae_decoder
     from torch_timing import by_family, cuda_spans, kernel_table, matmul_tflops, median_ms, table_lines
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
     dec = CudaDecoder(tensors, SMALL)

@@ -31,8 +31,9 @@ from numba import cuda
 from cuda_kernels import sdpa
 from cuda_kernels.core import DeviceView
 from cuda_kernels.layout import random_bf16
-from moss_cli.ops.cuda_denoiser import CudaDenoiser
-from moss_cli.ops.cuda_table import CudaOps, capture, numba_stream
+from moss_cli.gpu.denoiser import CudaDenoiser
+from moss_cli.ops.cuda.table import CudaOps, numba_stream
+from moss_cli.gpu.capture import capture
 from moss_cli.schedule import sigmas as schedule_sigmas, timesteps
 from moss_cli.transformer import DEFAULTS, expected_tensors
 

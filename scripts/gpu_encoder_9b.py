@@ -23,7 +23,7 @@ from cuda_kernels.core import from_bf16_bits, to_bf16_bits
 from cuda_kernels.layout import random_bf16
 from moss_cli.encoder import expected_tensors, text_config
 from moss_cli.stages import HOST_TENSORS
-from moss_cli.ops.cuda_table import CudaEncoder
+from moss_cli.gpu.encoder import CudaEncoder
 
 CONFIG = {"text_config": {
     "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
@@ -170,9 +170,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="encoder_9b.json")
     parser.add_argument("--chunk-from", type=int, default=None,
-                        help="prompt length from which the delta rule runs chunked (default: cuda_table's)")
+                        help="prompt length from which the delta rule runs chunked (default: ops/cuda/table.py's)")
     parser.add_argument("--attention", choices=("products", "flash"), default=None,
-                        help="the attention form (default: cuda_table's)")
+                        help="the attention form (default: ops/cuda/table.py's)")
     parser.add_argument("--quick", action="store_true",
                         help="accuracy and speed only: no variants, tuned products or CUPTI profiles (the benchmark run)")
     args = parser.parse_args()

@@ -46,7 +46,7 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     from gpu_encoder_9b import CONFIG, LENGTHS, hf_model, make_weights, replay_ms
-    from moss_cli.ops.cuda_table import CudaEncoder
+    from moss_cli.gpu.encoder import CudaEncoder
 
     result = {"packages": {p: importlib.util.find_spec(p) is not None for p in ("fla", "causal_conv1d")},
               "kernels": bound_kernels(), "speed": {}}

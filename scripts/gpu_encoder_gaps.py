@@ -22,7 +22,8 @@ from numba import cuda
 
 from gpu_encoder_9b import CONFIG, make_weights
 from torch_timing import cuda_spans, kernel_table
-from moss_cli.ops.cuda_table import CudaEncoder, bucket, numba_stream
+from moss_cli.gpu.encoder import CudaEncoder, bucket
+from moss_cli.ops.cuda.table import numba_stream
 
 
 def timeline(enc, ids, held):

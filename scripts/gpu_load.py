@@ -3,7 +3,7 @@
 Each run is a fresh process (so "from process start" counts the imports, the CUDA context, opening the
 checkpoint, the memory maps and the copies) that uploads every tensor each graph reads (the checkpoint's
 expected tensors, or the product's weight lists) as the product stores them (2-D matrices as bf16 bits, the rest
-float32) through the product's uploader, the native lanes (moss_cli/ops/cuda_lanes.py, --threads lanes), every
+float32) through the product's uploader, the native lanes (moss_cli/memory/lanes.py, --threads lanes), every
 tensor handed over at once. Runs:
 
   early     the product's load as moss-image runs it, the files in the page cache: right after the checkpoint
@@ -17,7 +17,7 @@ tensor handed over at once. Runs:
             files this user can open; the resident fraction (mincore) before and after is reported
   warm      every expected tensor (the embedding table too), handed over at once after the imports and the
             context (CudaOps.preload)
-  feeder    warm, the Python feeder the lanes replaced (moss_cli/ops/cuda_upload.py: --staging-mb pinned buffers,
+  feeder    warm, the Python feeder the lanes replaced (moss_cli/memory/upload.py: --staging-mb pinned buffers,
             --buffers of them, --threads copy threads), CudaOps.param per tensor
   baseline  warm, cuda.to_device per tensor from the memory map (pageable copies)
   link      the host-to-device link alone: 1 GiB pinned copied to the device, the best of five (the floor of
@@ -151,7 +151,7 @@ def child(model, mode, staging_mb, buffers, threads):
         t = time.perf_counter()
         from moss_cli import stages
         from moss_cli.checkpoint import open_checkpoint
-        from moss_cli.ops import cuda_lanes
+        from moss_cli.memory import lanes as cuda_lanes
         cuda_lanes.LANES = threads
         marks["imports_before_preload_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -160,7 +160,7 @@ def child(model, mode, staging_mb, buffers, threads):
         began = t = time.perf_counter()
         marks["preload_bytes"] = stages.preload_gpu_weights(ckpt, "cuda")[0]
         marks["preload_s"] = time.perf_counter() - t
-        from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from process start
+        from moss_cli.memory.preload import MARKS    # the preload's steps, seconds from process start
         marks["preload_steps_s"] = {k: v - STARTED + marks["python_start_s"] for k, v in MARKS.items()}
         if not marks["preload_bytes"] and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
             raise SystemExit("the preload sent nothing to the GPU")
@@ -168,8 +168,8 @@ def child(model, mode, staging_mb, buffers, threads):
     import numpy as np
     from numba import cuda
     from moss_cli.checkpoint import expected_tensors, open_checkpoint
-    from moss_cli.ops import cuda_lanes, cuda_upload
-    from moss_cli.ops.cuda_table import CudaOps, _is_bf16
+    from moss_cli.memory import lanes as cuda_lanes, upload as cuda_upload
+    from moss_cli.ops.cuda.table import CudaOps, _is_bf16
     from cuda_kernels.core import from_bf16_bits, to_bf16_bits
     marks["imports_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -253,17 +253,17 @@ def _product(name, comp, kept):
     """The product's load of one component (stages.py): its weight list handed to the uploader."""
     from moss_cli.checkpoint import expected_tensors
     if name == "text_encoder":
-        from moss_cli.ops.cuda_table import cuda_encoder
+        from moss_cli.gpu.encoder import cuda_encoder
         enc = cuda_encoder(comp)
         kept.append(enc)
         return enc.ops
     if name == "transformer":
-        from moss_cli.ops.cuda_denoiser import CudaDenoiser
+        from moss_cli.gpu.denoiser import CudaDenoiser
         dit = CudaDenoiser(comp.tensors, comp.config)
         dit.upload()
         kept.append(dit)
         return dit.ops
-    from moss_cli.ops.cuda_table import CudaOps
+    from moss_cli.ops.cuda.table import CudaOps
     ops = CudaOps()
     for key in expected_tensors(name, comp.config):
         ops.param(comp.tensors, key)

@@ -118,11 +118,11 @@ def main():
     ap.add_argument("--copy-threads", type=int, help="the lanes, or the feeder's copy threads (default: 8)")
     args = ap.parse_args()
     if args.device == "cuda":      # the uploader's settings for an A/B run
-        from moss_cli.ops import cuda_lanes
+        from moss_cli.memory import lanes as cuda_lanes
         if args.copy_threads:
             cuda_lanes.LANES = args.copy_threads
         if args.uploader == "feeder":
-            from moss_cli.ops import cuda_upload
+            from moss_cli.memory import upload as cuda_upload
             cuda_upload.USE_LANES = False
             if args.copy_threads:
                 cuda_upload.THREADS = args.copy_threads
@@ -155,7 +155,7 @@ def _uploaded(model_device):
     also where their threads' time went (lane_sched)."""
     if model_device != "cuda":
         return None
-    from moss_cli.ops.cuda_upload import uploader
+    from moss_cli.memory.upload import uploader
     up = uploader()
     stats = dict(up.stats())
     if hasattr(up, "thread_ids"):
@@ -187,7 +187,7 @@ def _uploader_kind(args, model_device):
     on the CPU)."""
     if model_device != "cuda":
         return None
-    from moss_cli.ops import cuda_upload
+    from moss_cli.memory import upload as cuda_upload
     if cuda_upload.USE_LANES:
         return "lanes, preloaded" if args.uploader == "lanes" else "lanes, late"
     return f"feeder (switch interval {cuda_upload.SWITCH_S} s)"
@@ -225,7 +225,7 @@ def run(args):
     if args.device == "cuda" and args.uploader == "lanes":    # as moss-image: before the kernel library's imports
         preload["preload_bytes"] = stages.preload_gpu_weights(checkpoint, "cuda")[0]
         preload["preload_s"] = time.perf_counter() - START - preload["preload_at_s"]
-        from moss_cli.ops.cuda_preload import MARKS    # the preload's steps, seconds from this script's start
+        from moss_cli.memory.preload import MARKS    # the preload's steps, seconds from this script's start
         preload["preload_steps_s"] = {k: v - START for k, v in MARKS.items()}
         print("preload: " + ", ".join(f"{k} {v:.2f}" for k, v in preload["preload_steps_s"].items())
               + " s after the script's start", flush=True)
@@ -233,7 +233,7 @@ def run(args):
     imported = time.perf_counter()
     clock = Clock()
     if args.device == "cuda":      # count the pool's blocks that come back inside a garbage collection
-        from moss_cli.ops.cuda_table import shared_pool
+        from moss_cli.ops.cuda.table import shared_pool
         shared_pool().watch_collector()
     model = stages.Model(checkpoint, device=args.device, progress=clock)
     memory = (lambda: cuda.current_context().get_memory_info()) if args.device == "cuda" else (lambda: (0, 0))
@@ -301,7 +301,7 @@ def run(args):
     out["device_memory_in_use_GB"] = (total - free1) / 1e9
     out["device_memory_by_this_run_GB"] = (free0 - free1) / 1e9
     if args.device == "cuda":          # the one pool every component's activations and workspaces come from
-        from moss_cli.ops.cuda_table import shared_pool
+        from moss_cli.ops.cuda.table import shared_pool
         out["pool_GB"] = shared_pool().bytes / 1e9
         out["pool_misses"] = shared_pool().misses      # captures lent other blocks than their plans
         out["pool_collector_gives"] = shared_pool().collector_gives

@@ -4,7 +4,7 @@
 
 Runs the GPU op table in the numba CUDA simulator with every kernel launch and product skipped, the weights
 shapes without values, and the simulator's chunk constants set to the device's, so the ops ask the pool
-(moss_cli/ops/cuda_pool.py) for exactly what they ask on the GPU, in the same order.
+(moss_cli/memory/pool.py) for exactly what they ask on the GPU, in the same order.
 
 * The decoder (the small config, widths 96/192/384/384): after each size in turn, the pool as the product
   leaves it (each size's eager pass recorded, its blocks planned, the capture's requests lent the planned
@@ -33,8 +33,9 @@ import numpy as np  # noqa: E402
 from numba.cuda.simulator import kernel as sim_kernel  # noqa: E402
 
 from cuda_kernels import conv  # noqa: E402
-from moss_cli.ops import cuda_table  # noqa: E402
-from moss_cli.ops.cuda_pool import Pool  # noqa: E402
+from moss_cli.gpu import encoder as gpu_encoder  # noqa: E402
+from moss_cli.ops.cuda import table as cuda_table  # noqa: E402
+from moss_cli.memory.pool import Pool  # noqa: E402
 
 
 
@@ -74,7 +75,7 @@ def plan(sizes):
     """Per size in turn: the best-fit pool after one decode each, and the pool as the product leaves it (each
     size's eager pass recorded and planned, then the capture's requests lent the planned blocks)."""
     from gpu_decoder import SMALL, random_tensors
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
 
     skip_work()
     tensors = random_tensors(SMALL)
@@ -108,7 +109,7 @@ def plan(sizes):
 def _shapes_only():
     """Weights as shapes: the op table's uploads become zero-strided host arrays of the shape it would make."""
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-    from moss_cli.ops.cuda_table import CudaOps, Stacked
+    from moss_cli.ops.cuda.table import CudaOps, Stacked
 
     def fake(shape, dtype):
         return FakeCUDAArray(np.broadcast_to(np.zeros((), dtype), tuple(shape)))
@@ -164,8 +165,8 @@ def picture(sizes, steps=50):
     """The planned pool after each stage of `moss-image --device cuda` at each size in turn (GB)."""
     from make_real_checkpoint import configs
     from moss_cli.checkpoint import expected_tensors
-    from moss_cli.ops.cuda_decoder import CudaDecoder
-    from moss_cli.ops.cuda_denoiser import CudaDenoiser
+    from moss_cli.gpu.decoder import CudaDecoder
+    from moss_cli.gpu.denoiser import CudaDenoiser
     from moss_cli.schedule import sigmas
     from moss_cli.stages import DEFAULT_SKIP_LAYERS, DEFAULT_SKIP_START, DEFAULT_SKIP_STOP
 
@@ -192,11 +193,11 @@ def picture(sizes, steps=50):
         print(f"{stage:40s} pool {pool.bytes / 1e9:6.2f} GB  (at most {pool.live_peak / 1e9:.2f} GB lent at once "
               f"so far)", flush=True)
 
-    enc = cuda_table.CudaEncoder(tensors["text_encoder"], cfg["text_encoder"])
+    enc = gpu_encoder.CudaEncoder(tensors["text_encoder"], cfg["text_encoder"])
     enc.upload()
     for role, n in (("prompt", 24), ("negative", 12)):      # a short prompt and "" in the chat template
-        planned(lambda: enc.model(np.zeros(cuda_table.bucket(n), np.int64)))
-        mark(f"encoded the {role} ({cuda_table.bucket(n)} tokens)")
+        planned(lambda: enc.model(np.zeros(gpu_encoder.bucket(n), np.int64)))
+        mark(f"encoded the {role} ({gpu_encoder.bucket(n)} tokens)")
     dit = CudaDenoiser(tensors["transformer"], cfg["transformer"])
     dit.upload()
     dec = CudaDecoder(tensors["vae"], cfg["vae"], graphs=False)

@@ -1,6 +1,6 @@
 """The GPU encoder's bf16 roundings stated on the CPU, to derive the tiny GPU encoder test's gate.
 
-The CUDA op table (moss_cli/ops/cuda_table.py) computes in float32 with bf16 weights, and rounds to bf16
+The CUDA op table (moss_cli/ops/cuda/table.py) computes in float32 with bf16 weights, and rounds to bf16
 (unit roundoff u = 2^-8) at these points: every linear's input (the tensor-core operand), the outputs of the
 products that only feed elementwise kernels (`narrow=True`: the MLP's gate and up, with narrow_products on),
 and flash attention's q, k and v. `Bf16Roundings` is the float64 numpy table with exactly those roundings
@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from moss_cli.encoder import rope_tables as _rope_tables
-from moss_cli.ops.numpy_table import NumpyOps
+from moss_cli.ops.numpy.table import NumpyOps
 
 GATE_FACTOR = 2.0
 

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from moss_cli.ops import cuda_driver
+from moss_cli.memory import driver as cuda_driver
 
 STATUS, U64 = ctypes.c_int, ctypes.c_uint64
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LATER = """
 import json
-from moss_cli.ops import cuda_lanes
+from moss_cli.memory import lanes as cuda_lanes
 cuda_lanes.warm_without_gpu()
 stats = cuda_lanes.run_lane.stats
 print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))

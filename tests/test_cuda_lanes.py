@@ -1,4 +1,4 @@
-"""The native upload lanes (moss_cli/ops/cuda_lanes.py) on the CPU: the compiled loop `run_lane` runs as on the GPU,
+"""The native upload lanes (moss_cli/memory/lanes.py) on the CPU: the compiled loop `run_lane` runs as on the GPU,
 with a fake driver whose "device" is host memory and whose copies run only when an event recorded behind them is
 waited for or their stream synchronized (as an asynchronous copy may). Uploaded arrays equal the host arrays bit
 for bit (larger than a slot, exactly a slot, many small ones sharing slots, bf16, non-contiguous, stacked rows
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("numba", reason="numba is not installed")
-from moss_cli.ops import cuda_lanes                      # noqa: E402
-from moss_cli.ops.cuda_lanes import LaneUploader         # noqa: E402
+from moss_cli.memory import lanes as cuda_lanes                      # noqa: E402
+from moss_cli.memory.lanes import LaneUploader         # noqa: E402
 from fake_driver import FakeDriver                       # noqa: E402
 
 

@@ -19,9 +19,9 @@ sys.path.insert(0, "tests")
 import numpy as np
 from numba import cuda
 
-from moss_cli.ops import cuda_upload
-from moss_cli.ops.cuda_lanes import LaneUploader
-from moss_cli.ops.cuda_table import CudaOps
+from moss_cli.memory import upload as cuda_upload
+from moss_cli.memory.lanes import LaneUploader
+from moss_cli.ops.cuda.table import CudaOps
 from sim_util import cuda_ops_expected, cuda_ops_weights
 from fake_driver import FakeDriver
 

@@ -18,8 +18,8 @@ SCRIPT = r'''
 import numpy as np
 import ml_dtypes
 from moss_cli.ops import numpy_ops
-from moss_cli.ops import cuda_table
-from moss_cli.ops.cuda_table import CudaOps
+from moss_cli.ops.cuda import table as cuda_table
+from moss_cli.ops.cuda.table import CudaOps
 from cuda_kernels.core import from_bf16_bits
 
 rng = np.random.default_rng(0)

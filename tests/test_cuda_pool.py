@@ -1,11 +1,11 @@
-"""The shared device pool's lending (moss_cli/ops/cuda_pool.py), with a counting allocator: best fit, the
+"""The shared device pool's lending (moss_cli/memory/pool.py), with a counting allocator: best fit, the
 small requests' exact sizes, the order among equal blocks, growth only when nothing free fits."""
 
 import numpy as np
 import pytest
 
-from moss_cli.ops import cuda_pool
-from moss_cli.ops.cuda_pool import Pool
+from moss_cli.memory import pool as cuda_pool
+from moss_cli.memory.pool import Pool
 
 MB = 1 << 20
 
@@ -128,7 +128,7 @@ def test_the_pool_plan_at_real_sizes_shares_blocks_between_sizes_and_components(
 LEASE_SCRIPT = r'''
 import gc
 import numpy as np
-from moss_cli.ops.cuda_table import CudaOps
+from moss_cli.ops.cuda.table import CudaOps
 ops = CudaOps()
 a = ops.new((4, 1 << 18))                       # 4 MB: past SMALL, so any free block that holds it is lent
 view = a.reshape(1 << 20)[8:]                    # a view the op table might keep past `a`
@@ -230,9 +230,10 @@ from numba import cuda
 sys.path.insert(0, "scripts")
 from pool_plan import skip_work
 from moss_cli.checkpoint import open_checkpoint
-from moss_cli.ops import cuda_table
-from moss_cli.ops.cuda_decoder import CudaDecoder
-from moss_cli.ops.cuda_denoiser import CudaDenoiser
+from moss_cli.ops.cuda import table as cuda_table
+from moss_cli.gpu.decoder import CudaDecoder
+from moss_cli.gpu.encoder import CudaEncoder
+from moss_cli.gpu.denoiser import CudaDenoiser
 
 skip_work()                   # the requests only: no kernel runs, no product
 pool = cuda_table.shared_pool()
@@ -251,7 +252,7 @@ def twice(name, eager):
     print(name, pool.misses - misses, pool.bytes <= before)
 
 
-enc = cuda_table.CudaEncoder(ckpt.component("text_encoder").tensors, ckpt.component("text_encoder").config)
+enc = CudaEncoder(ckpt.component("text_encoder").tensors, ckpt.component("text_encoder").config)
 enc.upload()
 twice("encoder", lambda: enc.model(np.zeros(12, np.int64)))
 comp = ckpt.component("transformer")

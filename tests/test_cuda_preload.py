@@ -1,4 +1,4 @@
-"""The weights moss-image sends before the kernel library is imported (moss_cli/ops/cuda_preload.py), on the CPU
+"""The weights moss-image sends before the kernel library is imported (moss_cli/memory/preload.py), on the CPU
 through the upload lanes with the fake driver (host memory as the device): for the tiny checkpoint's encoder and
 transformer, what `start` hands over is, name for name, what their GPU graphs read (weight_names), and byte for
 byte what torch stores them as: 2-D matrices rounded to bf16 by torch, a stack its parts' rows in order, the rest
@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from moss_cli import stages                              # noqa: E402
 from moss_cli.checkpoint import open_checkpoint          # noqa: E402
 from moss_cli.errors import DeviceError                  # noqa: E402
-from moss_cli.ops import cuda_driver, cuda_preload, host_weights       # noqa: E402
-from moss_cli.ops.cuda_lanes import LaneUploader         # noqa: E402
+from moss_cli.memory import driver as cuda_driver, preload as cuda_preload, host_weights       # noqa: E402
+from moss_cli.memory.lanes import LaneUploader         # noqa: E402
 from fake_driver import FakeDriver                       # noqa: E402
 
 PARTS = ("text_encoder", "transformer")

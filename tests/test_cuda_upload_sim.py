@@ -1,4 +1,4 @@
-"""The pinned-staging uploader (moss_cli/ops/cuda_upload.py) in the CUDA simulator: uploaded arrays equal the
+"""The pinned-staging uploader (moss_cli/memory/upload.py) in the CUDA simulator: uploaded arrays equal the
 host arrays bit for bit, for arrays larger than a staging buffer, many small ones packed together, bf16,
 float32, non-contiguous and stacked (`out=`) ones; and with device copies held back until an event or a
 synchronize forces them (as a real asynchronous copy may be), so a staging buffer refilled too early shows.
@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 from numba import cuda
 
-from moss_cli.ops import cuda_upload
-from moss_cli.ops.cuda_upload import Uploader
+from moss_cli.memory import upload as cuda_upload
+from moss_cli.memory.upload import Uploader
 
 cuda_upload.PIECE_BYTES = 512        # so pieces of a few KB are split over the threads
 rng = np.random.default_rng(0)
@@ -138,7 +138,7 @@ else:
 # CudaOps through the shared uploader: 2-D as bf16 bits, the rest float32, stacks by rows
 import sys
 sys.path.insert(0, "tests")
-from moss_cli.ops.cuda_table import CudaOps
+from moss_cli.ops.cuda.table import CudaOps
 from sim_util import cuda_ops_expected, cuda_ops_weights
 cuda_upload._SHARED = Uploader(staging_bytes=4096, buffers=2, threads=2)
 ops = CudaOps()

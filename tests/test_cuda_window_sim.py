@@ -1,4 +1,4 @@
-"""The device window of streamed layers (moss_cli/ops/cuda_window.py) in the numba CUDA simulator: products read
+"""The device window of streamed layers (moss_cli/memory/window.py) in the numba CUDA simulator: products read
 through it equal the resident products byte for byte, in the eager pass that records the layers' order and in
 the pass that prefetches each next layer on the side stream; a window that puts a neighbouring layer's matrices
 in the slot (the planted control) changes the outputs; a pass that stops before its planned layers is refused
@@ -9,8 +9,9 @@ from sim_util import simulated_lines
 SCRIPT = r'''
 import ml_dtypes
 import numpy as np
-from moss_cli.ops.cuda_table import CudaOps, make_window
-from moss_cli.ops import cuda_window
+from moss_cli.ops.cuda.table import CudaOps
+from moss_cli.gpu.capture import make_window
+from moss_cli.memory import window as cuda_window
 from cuda_kernels.core import from_bf16_bits
 
 rng = np.random.default_rng(0)

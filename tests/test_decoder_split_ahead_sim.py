@@ -13,8 +13,8 @@ sys.path.insert(0, "scripts")
 from pool_plan import skip_work
 from cuda_kernels import conv
 from moss_cli.checkpoint import open_checkpoint
-from moss_cli.ops import cuda_conv
-from moss_cli.ops.cuda_decoder import CudaDecoder
+from moss_cli.ops.cuda import conv as cuda_conv
+from moss_cli.gpu.decoder import CudaDecoder
 
 skip_work()
 vae = open_checkpoint().component("vae")

@@ -22,7 +22,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
 from moss_cli.encoder import Qwen35Encoder, expected_tensors, text_config  # noqa: E402
 from moss_cli.errors import CheckpointError  # noqa: E402
 from moss_cli.ops import numpy_ops  # noqa: E402
-from moss_cli.ops.numpy_gdn import DELTA_CHUNK  # noqa: E402
+from moss_cli.ops.numpy.gdn import DELTA_CHUNK  # noqa: E402
 from planted import final_norm_eps_x10  # noqa: E402
 from reference import transformers64  # noqa: E402
 

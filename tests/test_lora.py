@@ -600,8 +600,8 @@ def test_the_gpu_preload_sends_the_merged_weights(peft_dit):
     with the fake driver (host memory as the device)."""
     pytest.importorskip("numba", reason="numba is not installed")
     from fake_driver import FakeDriver
-    from moss_cli.ops import cuda_preload
-    from moss_cli.ops.cuda_lanes import LaneUploader
+    from moss_cli.memory import preload as cuda_preload
+    from moss_cli.memory.lanes import LaneUploader
     file, theirs = peft_dit
     comp = open_checkpoint(lora=[(file, 1.0)]).component("transformer")
     up = LaneUploader(lanes=2, slots=2, slot_bytes=1 << 14, driver=FakeDriver())

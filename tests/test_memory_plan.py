@@ -1,4 +1,4 @@
-"""The GPU memory plan (moss_cli/ops/memory_plan.py) on the CPU: the plans the real-size configs get for the
+"""The GPU memory plan (moss_cli/memory/plan.py) on the CPU: the plans the real-size configs get for the
 budgets of common cards, the refusal of a budget below the smallest plan before any work, --plan and
 $MOSS_GPU_MEMORY on the commands, and an out-of-memory failure injected at each stage reported as one line with
 exit 1 and no partial file.
@@ -17,7 +17,7 @@ import pytest
 
 from cli_util import FAST, run, single_error
 from moss_cli.errors import UsageError
-from moss_cli.ops import memory_plan as mp
+from moss_cli.memory import plan as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = ("encode", "denoise", "decode")

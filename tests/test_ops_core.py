@@ -54,7 +54,7 @@ def test_param_converts_bf16_once():
 
 
 def test_param_cache_stops_at_its_budget(monkeypatch):
-    from moss_cli.ops import numpy_core
+    from moss_cli.ops.numpy import core as numpy_core
     monkeypatch.setattr(numpy_core, "PARAM_CACHE_BYTES", 16)
     ops = numpy_ops(np.float32)
     stored = {"small": np.ones(4, np.float32), "big": np.arange(8, dtype=np.float32)}

@@ -157,7 +157,7 @@ def test_conv2d_splits_rows_into_bands_without_changing_the_result(monkeypatch):
     x, w, b = rng.normal(size=(4, 11, 6)), rng.normal(size=(5, 4, 3, 3)), rng.normal(size=5)
     ops = numpy_ops(np.float64)
     whole = ops.conv2d(x, w, b, 1)
-    monkeypatch.setattr("moss_cli.ops.numpy_conv.IM2COL_BUDGET", 4 * 9 * 8 * 3)   # 3 rows of the padded width 8 per band
+    monkeypatch.setattr("moss_cli.ops.numpy.conv.IM2COL_BUDGET", 4 * 9 * 8 * 3)   # 3 rows of the padded width 8 per band
     assert np.abs(ops.conv2d(x, w, b, 1) - whole).max() < 1e-13
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from moss_cli.checkpoint import open_checkpoint
 from moss_cli.encoder import Qwen35Encoder
-from moss_cli.ops.numpy_table import NumpyOps
+from moss_cli.ops.numpy.table import NumpyOps
 from moss_cli.transformer import MossTransformer
 
 

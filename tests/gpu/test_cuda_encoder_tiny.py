@@ -39,7 +39,7 @@ def _ids(length):
 
 @pytest.mark.parametrize("length", LENGTHS)
 def test_gpu_rows_match_float64_rows_within_the_bf16_gate(component, length):
-    from moss_cli.ops.cuda_table import cuda_encoder
+    from moss_cli.gpu.encoder import cuda_encoder
     ids = _ids(length)
     ref = encoder_bf16.float64_rows(component, ids)
     gate, stated = encoder_bf16.gate(component, ids, ref)
@@ -54,7 +54,7 @@ def test_gpu_rows_match_float64_rows_within_the_bf16_gate(component, length):
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 def test_planted_rope_removal_fails_the_gate(component, length, graphs, monkeypatch):
     from moss_cli import encoder
-    from moss_cli.ops.cuda_table import cuda_encoder
+    from moss_cli.gpu.encoder import cuda_encoder
     ids = _ids(length)
     ref = encoder_bf16.float64_rows(component, ids)
     gate, _ = encoder_bf16.gate(component, ids, ref)
@@ -67,7 +67,7 @@ def test_planted_rope_removal_fails_the_gate(component, length, graphs, monkeypa
 
 
 def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
-    from moss_cli.ops.cuda_table import CudaEncoder
+    from moss_cli.gpu.encoder import CudaEncoder
     ids = np.random.default_rng(1).integers(0, 500, 40)
     enc = CudaEncoder(component.tensors, component.config)
     first, second = enc(ids), enc(ids)
@@ -112,9 +112,9 @@ def test_the_first_passes_take_only_the_weights_their_uploads_handed_over(compon
     first encode and a first CFG trajectory with a skipped block add no weight of their own, and take every
     one handed over (the CPU test test_weight_names.py holds the lists to the numpy forward)."""
     from moss_cli.checkpoint import open_checkpoint
-    from moss_cli.ops.cuda_denoiser import CudaDenoiser
-    from moss_cli.ops.cuda_table import cuda_encoder
-    from moss_cli.ops.cuda_upload import uploader
+    from moss_cli.gpu.denoiser import CudaDenoiser
+    from moss_cli.gpu.encoder import cuda_encoder
+    from moss_cli.memory.upload import uploader
     def uploaded(ops, tensors):       # the weights from the checkpoint (not the ones made on the GPU from them)
         return {key for key in ops._params if key[0] == id(tensors)}
 

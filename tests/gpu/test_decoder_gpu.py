@@ -18,7 +18,7 @@ def component():
 
 @pytest.fixture(scope="module")
 def decoder(component):
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
     return CudaDecoder(component.tensors, component.config)
 
 
@@ -45,7 +45,7 @@ def test_gpu_pixels_equal_the_cpu_pixels_but_for_rare_ones_off_by_one(component,
 
 
 def test_graph_replays_are_byte_identical_and_equal_the_eager_ops(component, decoder):
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
     latents = np.random.default_rng(5).standard_normal((1, 128, 4, 6)).astype(np.float32)
     first, second = decoder.decode(latents), decoder.decode(latents)
     assert first.tobytes() == second.tobytes()
@@ -72,7 +72,7 @@ def test_decoder_raw_output_is_float32_accurate(component, decoder, monkeypatch)
     GroupNorm's epsilon x10, 1.4e-5 on the numpy float32 decode) fails the same gate."""
     from moss_cli import vae
     from moss_cli.ops import numpy_ops
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
     latents = np.random.default_rng(7).standard_normal((1, 128, 5, 7)).astype(np.float32)
     ref = vae.Decoder(numpy_ops(np.float64), component.tensors, component.config).raw(latents)
     err = _raw_error(decoder, latents, ref)
@@ -91,7 +91,7 @@ def _small_decode_off(size, seed=0):
     import torch
     from gpu_decoder import SMALL, random_tensors
     from reference import vae_decoder
-    from moss_cli.ops.cuda_decoder import CudaDecoder
+    from moss_cli.gpu.decoder import CudaDecoder
     tensors = random_tensors(SMALL, seed)
     latents = np.random.default_rng(seed + size).standard_normal((1, 128, size // 16, size // 16)).astype(np.float32)
     ours = CudaDecoder(tensors, SMALL).decode(latents)

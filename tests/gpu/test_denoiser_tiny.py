@@ -40,7 +40,7 @@ def _cpu_velocity(model, x, t, cond, uncond, skip, guidance=3.0):
 
 
 def _denoiser(component):
-    from moss_cli.ops.cuda_denoiser import CudaDenoiser
+    from moss_cli.gpu.denoiser import CudaDenoiser
     dit = CudaDenoiser(component.tensors, component.config)
     dit.upload()
     return dit

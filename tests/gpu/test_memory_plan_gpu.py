@@ -30,7 +30,7 @@ def checkpoint():
 
 
 def _trajectory(component, streamed):
-    from moss_cli.ops.cuda_denoiser import CudaDenoiser
+    from moss_cli.gpu.denoiser import CudaDenoiser
     from moss_cli.schedule import sigmas
     dit = CudaDenoiser(component.tensors, component.config, streamed=streamed)
     dit.upload()
@@ -50,7 +50,7 @@ def test_streamed_dit_blocks_give_the_resident_trajectory_byte_for_byte(checkpoi
 
 
 def test_planted_wrong_layer_in_the_slot_changes_the_trajectory(checkpoint, monkeypatch):
-    from moss_cli.ops import cuda_window
+    from moss_cli.memory import window as cuda_window
     component = checkpoint.component("transformer")
     resident = _trajectory(component, ())
     real = cuda_window.Window._copy
@@ -64,7 +64,7 @@ def test_planted_wrong_layer_in_the_slot_changes_the_trajectory(checkpoint, monk
 
 
 def test_streamed_encoder_layers_give_the_resident_rows_byte_for_byte(checkpoint):
-    from moss_cli.ops.cuda_table import cuda_encoder
+    from moss_cli.gpu.encoder import cuda_encoder
     component = checkpoint.component("text_encoder")
     ids = np.random.default_rng(3).integers(0, 200, size=37)
     resident = cuda_encoder(component)(ids)

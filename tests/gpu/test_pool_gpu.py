@@ -17,7 +17,7 @@ import json
 import sys
 from moss_cli import artifacts, stages
 from moss_cli.checkpoint import open_checkpoint
-from moss_cli.ops.cuda_table import shared_pool
+from moss_cli.ops.cuda.table import shared_pool
 
 shared_pool().watch_collector()       # blocks that come back inside a garbage collection (a diagnostic)
 model = stages.Model(open_checkpoint(), device="cuda")

@@ -14,9 +14,10 @@ if not cuda.is_available():
 
 from moss_cli import stages                                  # noqa: E402
 from moss_cli.checkpoint import open_checkpoint              # noqa: E402
-from moss_cli.ops import cuda_preload                        # noqa: E402
-from moss_cli.ops.cuda_denoiser import CudaDenoiser          # noqa: E402
-from moss_cli.ops.cuda_table import CudaOps, Stacked, cuda_encoder    # noqa: E402
+from moss_cli.memory import preload as cuda_preload                        # noqa: E402
+from moss_cli.gpu.denoiser import CudaDenoiser          # noqa: E402
+from moss_cli.ops.cuda.table import CudaOps, Stacked    # noqa: E402
+from moss_cli.gpu.encoder import cuda_encoder
 
 
 def _host(ops, tensors, name):

@@ -1,4 +1,4 @@
-"""The native upload lanes with the real driver (moss_cli/ops/cuda_lanes.py): arrays of every kind uploaded bit for
+"""The native upload lanes with the real driver (moss_cli/memory/lanes.py): arrays of every kind uploaded bit for
 bit through lanes of small slots (many slot turns, slots shared by small arrays, stacked rows through `out=`),
 a stream 0 kernel reading an array as soon as its future completes (the lanes' streams are blocking streams),
 and the process-wide uploader on a GPU being the lanes."""
@@ -11,8 +11,8 @@ cuda = pytest.importorskip("numba.cuda")
 if not cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from moss_cli.ops import cuda_upload                     # noqa: E402
-from moss_cli.ops.cuda_lanes import LaneUploader         # noqa: E402
+from moss_cli.memory import upload as cuda_upload                     # noqa: E402
+from moss_cli.memory.lanes import LaneUploader         # noqa: E402
 
 
 @cuda.jit

@@ -1,4 +1,4 @@
-"""The DiT's ops on the GPU (numpy_dit's twins): SiTU-GLU, the fused norm + modulation (+ gated residual),
+"""The DiT's ops on the GPU (ops.numpy.dit's twins): SiTU-GLU, the fused norm + modulation (+ gated residual),
 q/k norm + RoPE on bf16 heads, attention on bf16 heads (cuDNN's fused SDPA, else the flash kernel).
 
 The residual stream is float32 (the official eager chain keeps it bf16: ours is the more accurate one);

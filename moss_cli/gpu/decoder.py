@@ -1,6 +1,6 @@
 """The VAE decoder on the GPU: packed latents [1, 128, h, w] -> uint8 pixels [16h, 16w, 3], float32-accurate.
 
-vae.Decoder's graph on the CUDA table, whose products here are split fp16 products (cuda_conv): the decoder's
+vae.Decoder's graph on the CUDA table, whose products here are split fp16 products (ops.cuda.conv): the decoder's
 attention projections and attention too, not the table's bf16 ones. The latents' copy in, the BN
 de-normalisation and unpatchify, the decoder and the pixels' rounding are one CUDA graph per latent size.
 """
@@ -13,8 +13,9 @@ from numba import cuda
 from cuda_kernels.core import SIMULATED, from_bf16_bits
 
 from ..vae import Decoder, _config
-from .cuda_conv import split_weight_bits
-from .cuda_table import CudaOps, _is_bf16, numba_stream, planned_capture
+from ..ops.cuda.conv import split_weight_bits
+from ..ops.cuda.table import CudaOps, _is_bf16, numba_stream
+from .capture import planned_capture
 
 
 SPLIT_PREFIXES = ("decoder.", "post_quant_conv.")     # the tensors the decoder reads (the VAE's encoder: not)

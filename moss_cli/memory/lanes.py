@@ -1,6 +1,6 @@
 """Host weights to the GPU in native lanes: the copies need the GIL only between batches.
 
-The feeder uploader (cuda_upload.Uploader) takes the GIL around every host copy, every driver call and every
+The feeder uploader (memory.upload.Uploader) takes the GIL around every host copy, every driver call and every
 hand-off to its copy threads. While the caller's thread runs Python (a component's first pass: kernels loaded,
 products planned, graphs captured) each of those waits for the GIL, and the weights land late. Here each of
 LANES threads runs one compiled loop (`run_lane`, numba `njit(nogil=True)`) over every piece it has been handed,
@@ -18,12 +18,12 @@ GATHER_S (or GATHER_PIECES, GATHER_BYTES) before it takes the GIL for its batch,
 component's weights over one by one the lanes do not take the GIL from it at every piece; a caller waiting
 for an array (`result`, `finish`) cuts the gathering short.
 
-    up = LaneUploader()                  # the same API as cuda_upload.Uploader
+    up = LaneUploader()                  # the same API as memory.upload.Uploader
     dev, queued = up.to_device_later(host)     # at once; queued.result() once its copies are queued
     up.finish()                          # every copy done; the stats
 
-The driver's calls go through cuda_driver.Driver (ctypes: nothing here imports numba.cuda, so a process starts
-its lanes before the kernel library is imported, cuda_preload); a test gives a fake driver whose copies run only
+The driver's calls go through memory.driver.Driver (ctypes: nothing here imports numba.cuda, so a process starts
+its lanes before the kernel library is imported, memory.preload); a test gives a fake driver whose copies run only
 when an event or a synchronize forces them, so a slot refilled before its copies ran shows.
 """
 
@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit
 
-from .cuda_driver import LANE_CALLS, _c_function, libc_memcpy
+from .driver import LANE_CALLS, _c_function, libc_memcpy
 from .host_weights import host_bytes
 
 LANES = min(8, os.cpu_count() or 1)   # lane threads
@@ -142,10 +142,10 @@ class LaneUploader:
         self._error = None
         self.reset_stats()
 
-    # --- the API (as cuda_upload.Uploader's) ---------------------------------------------------------
+    # --- the API (as memory.upload.Uploader's) ---------------------------------------------------------
     def to_device(self, host, out=None, wait=False):
         """A device array holding `host`'s bytes (shape and dtype kept; bf16 is taken as its uint16 bits),
-        returned once its copies are queued (after every array handed over before it). cuda_upload.Uploader
+        returned once its copies are queued (after every array handed over before it). memory.upload.Uploader
         takes this method too.
 
         `out`: a C-contiguous device array of the same number of bytes to copy into (a row slice of a
@@ -160,7 +160,7 @@ class LaneUploader:
     def to_device_later(self, host, out=None):
         """(device array, future) at once; the future completes when every copy of `host` is queued (stream 0
         work queued after that runs after them). Until then nothing may read the device array, nor `host` change.
-        Without `out` the array is the driver's (on a GPU a cuda_driver.DeviceBuffer, which
+        Without `out` the array is the driver's (on a GPU a memory.driver.DeviceBuffer, which
         numba.cuda.as_cuda_array wraps without a copy)."""
         host = host_bytes(host, out)
         self._start()
@@ -270,7 +270,7 @@ class LaneUploader:
         if self._threads is not None:
             return
         if self.driver is None:
-            from .cuda_driver import driver
+            from .driver import driver
             self.driver = driver()
         n = self.lanes
         self._stage = self.driver.staging(n * self.slots * self.slot_bytes)
@@ -372,7 +372,7 @@ _PROCESS = None
 
 
 def process_lanes():
-    """The process's lanes (cuda_upload.uploader() on a GPU, and cuda_preload's), made on first use."""
+    """The process's lanes (memory.upload.uploader() on a GPU, and memory.preload's), made on first use."""
     global _PROCESS
     if _PROCESS is None:
         _PROCESS = LaneUploader()

@@ -5,7 +5,7 @@ for them, and copied whole into one of SLOTS device slots just before the layer'
 order and the bytes each product reads are the resident model's: only the weights' addresses differ, so a
 streamed model gives the same outputs.
 
-A graph's pass is first run eagerly (cuda_table.planned_capture): there each layer is copied on the compute
+A graph's pass is first run eagerly (gpu.capture.planned_capture): there each layer is copied on the compute
 stream itself when its first weight is asked for, and the order of the layers is recorded. The capture then
 copies layer t+1 on a side stream while layer t computes, into the slot layer t-1 used, after layer t-1's
 ops (events): inside the graph the copies overlap the compute, and every copy is waited for before the
@@ -20,7 +20,7 @@ from numba import cuda
 from cuda_kernels.core import SIMULATED
 
 from .host_weights import stack_forms, stored_form
-from .memory_plan import SLOTS, layer_of, streamed_name
+from .plan import SLOTS, layer_of, streamed_name
 
 ALIGN = 256
 
@@ -32,7 +32,7 @@ def _side_stream():
         stream = cuda.stream()
         return stream, stream
     from cuda.core import Device, StreamOptions
-    from .cuda_table import numba_stream
+    from ..ops.cuda.table import numba_stream
     owner = Device().create_stream(options=StreamOptions(nonblocking=True))
     return numba_stream(owner), owner
 

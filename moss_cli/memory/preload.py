@@ -3,11 +3,11 @@ library is imported.
 
 A GPU process spends close to a second importing numba.cuda, nvmath and cuDNN's frontend and making the CUDA
 context before its first op table exists, and until then no weight moved. `start(component)` runs as soon as the
-checkpoint is open: it takes the CUDA context through the driver itself (cuda_driver, ctypes), allocates every
+checkpoint is open: it takes the CUDA context through the driver itself (memory.driver, ctypes), allocates every
 weight the component's GPU graph reads (a stack as one allocation, its parts in order) and hands each to the
-process's lanes (cuda_lanes.process_lanes) in the order the first pass reads them, then returns; the copies run
+process's lanes (memory.lanes.process_lanes) in the order the first pass reads them, then returns; the copies run
 while the kernel library is imported. CudaOps then `take`s each weight instead of sending it again: the same
-bytes (host_weights.stored_form), the same future (its copies queued, so later stream 0 work reads them).
+bytes (memory.host_weights.stored_form), the same future (its copies queued, so later stream 0 work reads them).
 
     start(checkpoint.component("text_encoder"))     # returns at once
     ...                                              # import the kernel library, make the op tables
@@ -18,10 +18,10 @@ import threading
 
 import numpy as np
 
-from .cuda_driver import DeviceBuffer
-from .cuda_lanes import ALIGN, process_lanes
+from .driver import DeviceBuffer
+from .lanes import ALIGN, process_lanes
 from .host_weights import stack_forms, stored_form
-from .memory_plan import streamed_name
+from .plan import streamed_name
 
 _HANDED = {}          # (id(tensors), name or tuple of names) -> (tensors, device buffer, future, bytes)
 MARKS = {}            # the last preload's time.perf_counter() marks (stages.preload_gpu_weights writes them)
@@ -44,7 +44,7 @@ def start(component, uploader=None, streamed=()):
     """Allocate and hand over every weight of `component` (see the module docstring); returns the bytes handed.
     `uploader`: the lanes to use (a test's), else the process's. The weights share one device allocation
     (each at an ALIGN boundary), so the hand-over makes one driver allocation, not one a weight. `streamed`: the
-    layers the memory plan streams, whose matrices stay on the host (cuda_window)."""
+    layers the memory plan streams, whose matrices stay on the host (memory.window)."""
     up = uploader or process_lanes()
     tensors = component.tensors
     plan, total = [], 0
@@ -82,7 +82,7 @@ def start(component, uploader=None, streamed=()):
 
 
 def _view(arena, offset, shape, dtype):
-    """An array of `shape` and `dtype` at `offset` bytes into the arena: a cuda_driver.DeviceBuffer that keeps the
+    """An array of `shape` and `dtype` at `offset` bytes into the arena: a memory.driver.DeviceBuffer that keeps the
     arena alive, or (a test's fake driver) a numpy view."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if isinstance(arena, np.ndarray):

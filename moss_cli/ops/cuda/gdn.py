@@ -1,11 +1,11 @@
-"""The Gated DeltaNet's ops on the GPU (numpy_gdn's twins): the causal conv, the q/k L2 norms, the gates, the
+"""The Gated DeltaNet's ops on the GPU (ops.numpy.gdn's twins): the causal conv, the q/k L2 norms, the gates, the
 fused GDN inputs, the gated RMSNorm and the delta rule (token recurrence or chunked on tensor cores)."""
 
 import numpy as np
 
 from cuda_kernels import gdn, gdn_chunk, gdn_inputs, norms
 
-from .numpy_gdn import GdnOps
+from ..numpy.gdn import GdnOps
 
 
 class GdnCudaOps:

@@ -1,22 +1,21 @@
-"""The GPU op table: the numpy table's op names over numba device arrays, and the encoder on the GPU.
+"""The GPU op table: the numpy table's op names over numba device arrays.
 
 CudaOps holds the core ops (memory, shapes, elementwise, products, norms, attention) and takes the model
-families' ops from one mixin each, as the numpy table does: cuda_gdn (the encoder's Gated DeltaNet),
-cuda_dit (the DiT's), cuda_conv (the decoder's).
+families' ops from one mixin each, as the numpy table does: ops.cuda.gdn (the encoder's Gated DeltaNet),
+ops.cuda.dit (the DiT's), ops.cuda.conv (the decoder's).
 
 Activations are float32 device arrays; matrices (linear weights, the embedding) stay bf16, held as
 uint16 bits, and each linear rounds its input to bf16 for the tensor-core product (float32 accumulate),
 unless the op before it already wrote bf16 bits (`operand=True`: norms, swiglu). Weights read together
 (`params`) are stacked once into one matrix, so projections of one input are one product whose column
 blocks the next kernels read in place (strided views); residual adds are the product's beta = 1 epilogue.
-Intermediates come from the process's one pool (cuda_pool: best fit, shared by every component) and go
+Intermediates come from the process's one pool (memory.pool: best fit, shared by every component) and go
 back when no array refers to them, so the same sequence of ops reuses the same buffers: that is what lets
 a forward pass be captured as a CUDA graph once per prompt-length bucket and replayed (stream order keeps
 reuse safe inside one graph).
 Importing this module needs numba-cuda and nvmath-python (the GPU extra).
 """
 
-import time
 import weakref
 
 import numpy as np
@@ -26,18 +25,13 @@ from cuda_kernels import dit, elementwise, embedding as emb, flash, layout, norm
 from cuda_kernels.core import SIMULATED, DeviceView, columns, to_bf16_bits
 from cuda_kernels.gemm import blas, stream_handle
 
-from ..encoder import Qwen35Encoder, check_ids, text_config
-from .cuda_conv import ConvCudaOps
-from .cuda_dit import DitCudaOps
-from .cuda_gdn import GdnCudaOps
-from .cuda_driver import DeviceBuffer
-from .cuda_pool import Pool
-from .host_weights import is_bf16 as _is_bf16, stack_forms, stored_form
+from .conv import ConvCudaOps
+from .dit import DitCudaOps
+from .gdn import GdnCudaOps
+from ...memory.driver import DeviceBuffer
+from ...memory.pool import Pool
+from ...memory.host_weights import is_bf16 as _is_bf16, stack_forms, stored_form
 
-# Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
-# 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
-# token-serial delta rule its time), of 64 up to 2048, of 256 up to MAX_TOKENS. One graph per bucket.
-MAX_TOKENS = 32768
 # Prompt length from which the delta rule runs in chunks on tensor cores (gdn_chunk) rather than token
 # by token (gdn). On the H200 at the 9B shapes the token recurrence is the faster at 112 tokens and the
 # chunked form at 1024 (scripts/gpu_bench_delta.py); measured at 256 tokens too, they cross near
@@ -110,7 +104,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         # conv, q/k norms and gates in one kernel (gdn_inputs) where heads fit: the whole encode on the H200
         # is no slower than with the three kernels it replaces (scripts/gpu_encoder_9b.py's variants): on
         self.fuse_gdn_inputs = True
-        self.window = None             # cuda_window.Window of the layers the memory plan streams, if any
+        self.window = None             # memory.window.Window of the layers the memory plan streams, if any
 
     # --- memory -------------------------------------------------------------------------------
     @property
@@ -155,7 +149,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         if queued is not None:
             queued.result()
             if self.capturing:
-                from .cuda_upload import uploader
+                from ...memory.upload import uploader
                 uploader().finish()
 
     def param(self, tensors, name, later=False):
@@ -184,9 +178,9 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
             if out.dtype != np.uint16 and out.dtype != np.float32:
                 raise TypeError(f"{name}: device tensors must be uint16 (bf16 bits) or float32, not {out.dtype}")
         else:
-            handed = _handed(tensors, name)       # sent at process start (cuda_preload), else sent now
+            handed = _handed(tensors, name)       # sent at process start (memory.preload), else sent now
             if handed is None:
-                from .cuda_upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
+                from ...memory.upload import uploader    # pinned staging buffers, async copies (stream 0 waits for them)
                 handed = uploader().to_device_later(stored_form(value))
             out, self._landing[key] = _numba_array(handed[0]), handed[1]
         return out
@@ -206,12 +200,12 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         """params' Stacked, made once (the host parts' copies handed to the uploader, the last under `key`)."""
         values = [tensors[n] for n in names]
         sizes = [v.shape[0] for v in values]
-        handed = _handed(tensors, names)          # sent at process start (cuda_preload)
+        handed = _handed(tensors, names)          # sent at process start (memory.preload)
         if handed is not None:
             weight, self._landing[key] = _numba_array(handed[0]), handed[1]
         elif all(isinstance(v, np.ndarray) or not hasattr(v, "__cuda_array_interface__") for v in values):
             bits = stack_forms(values, names)
-            from .cuda_upload import uploader    # each part straight into its rows, no host concatenation
+            from ...memory.upload import uploader    # each part straight into its rows, no host concatenation
             weight = cuda.device_array((sum(sizes), bits[0].shape[1]), np.uint16)
             row = 0
             for part in bits:          # the feeder takes them in order: the last one queued, all are
@@ -477,7 +471,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
 
     def rms_norm_rope(self, x, w, cos, sin, eps, offset=0.0):
         """rope(rms_norm(x)) in one kernel where the rows fit (norms.rms_norm_rope_fits), else the two;
-        bf16 heads (the DiT's) give bf16 heads (cuda_dit)."""
+        bf16 heads (the DiT's) give bf16 heads (ops.cuda.dit)."""
         if x.dtype == np.uint16 and offset == 0.0:
             return self._bf16_norm_rope(x, w, cos, sin, eps)
         if not (self.fuse_norm_rope and norms.rms_norm_rope_fits(x.shape[x.ndim - 1], cos.shape[1])):
@@ -487,7 +481,7 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
         return out
 
     def attention(self, q, k, v, scale, causal=False):
-        if q.dtype == np.uint16 and not causal:         # the DiT's bf16 heads (cuda_dit)
+        if q.dtype == np.uint16 and not causal:         # the DiT's bf16 heads (ops.cuda.dit)
             return self.bf16_attention(q, k, v, scale)
         if self.attention_form == "flash":      # q, k, v of any strides
             out = self.new(q.shape)
@@ -504,15 +498,15 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
 
 
 def _handed(tensors, name):
-    """cuda_preload's (device buffer, future) for this weight, or None (none handed over, or the simulator)."""
+    """memory.preload's (device buffer, future) for this weight, or None (none handed over, or the simulator)."""
     if SIMULATED:
         return None
-    from .cuda_preload import take
+    from ...memory.preload import take
     return take(tensors, name)
 
 
 def _numba_array(out):
-    """A device array as numba's (a cuda_driver.DeviceBuffer wrapped without a copy; it stays alive with it)."""
+    """A device array as numba's (a memory.driver.DeviceBuffer wrapped without a copy; it stays alive with it)."""
     return cuda.as_cuda_array(out, sync=False) if isinstance(out, DeviceBuffer) else out
 
 
@@ -565,179 +559,3 @@ def numba_stream(stream):
     """The numba stream for 0 (the default stream), a cuda.core Stream or a graph builder (its capturing
     stream): what numba's copies and events take."""
     return cuda.default_stream() if stream == 0 else cuda.external_stream(stream_handle(stream))
-
-
-def bucket(length):
-    if length > MAX_TOKENS:
-        raise ValueError(f"{length} tokens: more than the GPU encoder takes ({MAX_TOKENS})")
-    step = 4 if length <= 256 else 64 if length <= 2048 else 256
-    return -(-length // step) * step
-
-
-class CudaEncoder:
-    """ids -> float32 rows [L, hidden] on the GPU: the Qwen3.5 graph captured once per length bucket.
-
-    Weights go to the device once (`upload`), straight from the (memory-mapped) tensors, one at a time, but
-    the token embedding table, which stays on the host: each encode gathers its prompt's rows there.
-    `graphs=False` runs the ops eagerly (one launch per op), for per-layer checks.
-    """
-
-    def __init__(self, tensors, config, graphs=True, pad_id=0):
-        self.ops = CudaOps()
-        self.config = text_config(config)
-        self.model = Qwen35Encoder(self.ops, tensors, config)
-        self.tensors = tensors
-        self.graphs = graphs
-        self.pad_id = pad_id
-        self._captured = {}
-        self.timings = {}
-
-    def upload(self):
-        """Every weight the graph reads handed to the uploader (stacked where it reads them together), in the
-        order a forward reads them; returns at once. The first bucket's eager pass takes each weight as its
-        copies are queued, and compiles (or loads) the kernels meanwhile."""
-        self.ops.preload(self.tensors, self.model.weight_names())
-
-    def host_rows(self, n):
-        """A pinned host array for n rows (float32 [n, hidden]): as `out`, the rows' copy is one DMA at the
-        bus's speed, queued behind the graph (a pageable array goes through the driver's staging copy)."""
-        return cuda.pinned_array((n, self.config["hidden_size"]), np.float32)
-
-    def __call__(self, ids, on_layer=None, out=None):
-        """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape,
-        best one from `host_rows`, which the caller keeps). The copy of the prompt's rows is queued on the
-        graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
-        time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA,
-        measured on the H200)."""
-        ids = check_ids(ids, self.config["vocab_size"]).astype(np.int64)
-        if not self.graphs or on_layer is not None:
-            return self.model(ids, on_layer=on_layer)
-        n = ids.size
-        shape = (n, self.config["hidden_size"])
-        if out is None:
-            out = np.empty(shape, np.float32)
-        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a contiguous float32 {shape}, not {out.dtype} {out.shape}")
-        size = bucket(n)
-        if size not in self._captured:
-            self._capture(size)
-        c = self._captured[size]
-        start = time.perf_counter()
-        table = self.tensors["embed_tokens.weight"]      # the prompt's rows: the graph's first node copies them
-        table_rows(table, ids, out=c.rows[:n])
-        c.rows[n:] = table_rows(table, [self.pad_id])
-        uploaded = time.perf_counter()
-        c.began.record(c.queue)
-        c.graph.launch(c.stream)
-        c.ran.record(c.queue)
-        c.rows_buffer[:n].copy_to_host(out, stream=c.queue)
-        c.copied.record(c.queue)
-        launched = time.perf_counter()
-        c.copied.synchronize()
-        done = time.perf_counter()
-        # host: the calls' own time (rows_s: the prompt's table rows into the graph's pinned array; queue_s:
-        # graph launch, output rows' copy and events queued; wait_s: until the copy's event); gpu_s, copy_s:
-        # CUDA events
-        self.timings = {"host_s": launched - start, "total_s": done - start, "bucket": size,
-                        "rows_s": uploaded - start, "queue_s": launched - uploaded, "wait_s": done - launched,
-                        "gpu_s": cuda.event_elapsed_time(c.began, c.ran) / 1e3,
-                        "copy_s": cuda.event_elapsed_time(c.ran, c.copied) / 1e3}
-        return out
-
-    def _capture(self, size):
-        dummy = np.zeros(size, dtype=np.int64)
-        rows = cuda.pinned_array((size, self.config["hidden_size"]), np.uint16)
-
-        def run():
-            self.ops.rows_host = rows          # the prompt's rows' upload becomes the graph's first node
-            return self.model(dummy)
-        try:
-            graph, stream, out = planned_capture(self.ops, lambda: self.model(dummy), run)
-        finally:
-            self.ops.rows_host = None
-        self._captured[size] = _Bucket(graph, stream, out, rows)
-        self._kept = getattr(self, "_kept", []) + self.ops.kept
-
-
-class _Bucket:
-    """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned bf16 table rows
-    [bucket, hidden] its first node reads, and what each encode reuses: the stream as numba sees it, three
-    events (an upload through numba cost host time before the graph could start)."""
-
-    def __init__(self, graph, stream, rows_buffer, rows):
-        self.graph, self.stream, self.rows_buffer, self.rows = graph, stream, rows_buffer, rows
-        self.queue = numba_stream(stream)
-        self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
-
-
-def planned_capture(ops, eager, run):
-    """capture(ops, run) after eager(), the same ops run once eagerly (compiling the kernels, planning the
-    products): the pool records the eager pass's requests, lets go of the blocks it made, and lends the
-    capture's requests the blocks it planned for them (cuda_pool)."""
-    pool, window = ops.pool, ops.window
-    pool.record()
-    if window is not None:
-        window.begin(ops)          # each streamed layer copied when asked; the order kept for the capture
-    try:
-        eager()
-        cuda.synchronize()
-    finally:
-        planned = pool.plan()
-        uses = window.finish() if window is not None else None
-    cuda.current_context().deallocations.clear()     # the blocks let go, freed now rather than at numba's leisure
-    pool.script(planned)
-    try:
-        return capture(ops, run, uses)
-    finally:
-        pool.script(None)
-
-
-def capture(ops, run, uses=None):
-    """(graph, stream, what run() returned): the ops run() launches on `ops`, captured as one CUDA graph
-    (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept. `uses`:
-    the streamed layers' order (planned_capture's eager pass), their copies then prefetched inside the graph."""
-    from cuda.core import Device, StreamOptions
-
-    dev = Device()
-    dev.set_current()
-    stream = dev.create_stream(options=StreamOptions(nonblocking=True))
-    builder = stream.create_graph_builder()
-    ops.kept = []
-    with cuda.defer_cleanup():
-        builder.begin_building("relaxed")
-        ops.stream, ops.capturing = builder, True
-        try:
-            if ops.window is not None:
-                ops.window.begin(ops, uses if uses is not None else [])
-            out = run()
-            if ops.window is not None:
-                ops.window.finish()        # every copy on the side branch waited for before the capture ends
-        finally:
-            ops.stream, ops.capturing = 0, False
-            builder.end_building()
-    return builder.complete(), stream, out
-
-
-def cuda_encoder(component, graphs=True, streamed=()):
-    """The GPU encoder for a text-encoder component (weights uploaded now); `streamed`: the layers the memory plan
-    keeps on the host (cuda_window)."""
-    enc = CudaEncoder(component.tensors, component.config, graphs=graphs)
-    if streamed:
-        enc.ops.window = make_window(component.tensors, enc.model.weight_names(), streamed)
-    enc.upload()
-    return enc
-
-
-def make_window(tensors, names, layers):
-    from .cuda_window import Window
-    return Window(tensors, names, layers)
-
-
-def release(runner):
-    """Let go of a GPU runner's device memory (CudaEncoder, CudaDenoiser): its weights, its graphs and its
-    window are freed once nothing refers to them; the pool's blocks stay in the shared pool."""
-    runner.__dict__.clear()
-    import gc
-    gc.collect()
-    cuda.synchronize()
-    cuda.current_context().deallocations.clear()

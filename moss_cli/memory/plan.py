@@ -5,7 +5,7 @@ In order of preference:
 * every component resident at once (the encoder, the DiT and the decoder);
 * the encoder resident while it encodes, then released before the DiT's weights go up;
 * then, layer by layer, the largest components' layers streamed: their matrices copied from pinned host memory
-  into two device slots just before each layer runs (cuda_window), the encoder's first (it runs once a prompt),
+  into two device slots just before each layer runs (memory.window), the encoder's first (it runs once a prompt),
   then the DiT's blocks, spread evenly over the depth so the copies overlap the resident blocks' work;
 * else refused before any work, with the smallest budget that would do.
 
@@ -27,7 +27,7 @@ GB = 1e9
 # beside the weights and the pool (27.8 GB in use against 26.6 GB of weights and pool, all resident at 1024)
 RESERVE = 1.3 * GB
 RESERVE_ENV = "MOSS_PLAN_RESERVE_GB"      # another reserve, in GB (a GPU whose libraries need more or less)
-# the pool's working memory (cuda_pool) at its peak, in bytes per token and per output feature of a layer's
+# the pool's working memory (memory.pool) at its peak, in bytes per token and per output feature of a layer's
 # products (the DiT, the encoder), or per pixel and per channel of the widest convolution (the decoder):
 # scripts/pool_plan.py at the real configs gives the DiT's step 0.49 GB at 4120 tokens (31744 features), the
 # decoder 2.10 GB at 1024x1024 (384 channels), the encoder 3.9 MB at 24 tokens; with headroom

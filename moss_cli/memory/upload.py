@@ -1,6 +1,6 @@
 """Host weights to the GPU through pinned staging buffers on a dedicated stream: the Python feeder.
 
-On a GPU the process uploader (`uploader()`) is cuda_lanes.LaneUploader, which does the same work in compiled
+On a GPU the process uploader (`uploader()`) is memory.lanes.LaneUploader, which does the same work in compiled
 loops without the GIL and keeps this API; this feeder serves the CUDA simulator and A/B runs (USE_LANES = False).
 
 A memory-mapped tensor is not pinned, so the driver would copy it through its own small staging buffer,
@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import config, cuda
 
-from .cuda_lanes import LaneUploader
+from .lanes import LaneUploader
 from .host_weights import host_bytes
 
 STAGING_BYTES = 128 << 20   # one pinned staging buffer
@@ -242,16 +242,16 @@ def _event():
 
 
 _SHARED = None
-USE_LANES = not SIMULATED   # the process-wide uploader: native lanes (cuda_lanes) on a GPU, this feeder otherwise
+USE_LANES = not SIMULATED   # the process-wide uploader: native lanes (memory.lanes) on a GPU, this feeder otherwise
 
 
 def uploader():
-    """The process-wide uploader (CudaOps.param and params send weights through it): a cuda_lanes.LaneUploader
+    """The process-wide uploader (CudaOps.param and params send weights through it): a memory.lanes.LaneUploader
     where USE_LANES (a GPU), else an Uploader (the simulator; a GPU run that sets USE_LANES = False, for A/B runs)."""
     global _SHARED
     if _SHARED is None:
         if USE_LANES:
-            from .cuda_lanes import process_lanes
+            from .lanes import process_lanes
             _SHARED = process_lanes()
         else:
             _SHARED = Uploader()

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from .numpy_conv import ConvOps
-from .numpy_core import CoreOps
-from .numpy_dit import DitOps
-from .numpy_gdn import GdnOps
+from .conv import ConvOps
+from .core import CoreOps
+from .dit import DitOps
+from .gdn import GdnOps
 
 
 class NumpyOps(CoreOps, GdnOps, ConvOps, DitOps):

@@ -1,4 +1,4 @@
-"""The CUDA table's image ops (the numpy table's numpy_conv twins), float32-accurate: convolutions and the
+"""The CUDA table's image ops (the numpy table's ops.numpy.conv twins), float32-accurate: convolutions and the
 products of the decoder's attention as split fp16 products on tensor cores (cuda_kernels.conv), group norm
 in float32, the latents' unpacking and the pixels' rounding on the device.
 

@@ -1,6 +1,6 @@
 """A weight's bytes as the GPU op table stores them, made on the host without numba: 2-D matrices as bf16 bits
 (uint16; bf16 checkpoints' bits as they are, float ones rounded to nearest even), every other tensor float32
-(bf16 widened exactly). CudaOps.param and cuda_preload both send these bytes, so a weight handed over at process
+(bf16 widened exactly). CudaOps.param and memory.preload both send these bytes, so a weight handed over at process
 start is the weight CudaOps would have made."""
 
 import numpy as np

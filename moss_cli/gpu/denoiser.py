@@ -21,7 +21,8 @@ from cuda_kernels import dit
 from ..sampler import skipped
 from ..schedule import keep_region, timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
-from .cuda_table import CudaOps, make_window, numba_stream, planned_capture
+from ..ops.cuda.table import CudaOps, numba_stream
+from .capture import make_window, planned_capture
 
 
 def _owned(text):
@@ -37,7 +38,7 @@ class CudaDenoiser:
     def __init__(self, tensors, config, streamed=()):
         self.ops = CudaOps()
         self.model = MossTransformer(self.ops, tensors, config)
-        if streamed:        # the memory plan's streamed blocks: read from pinned host memory (cuda_window)
+        if streamed:        # the memory plan's streamed blocks: read from pinned host memory (memory.window)
             self.ops.window = make_window(tensors, self.model.weight_names(), streamed)
         self.num_layers = self.model.num_layers
         self.config = self.model.config

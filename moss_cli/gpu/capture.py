@@ -1,0 +1,66 @@
+"""CUDA graph capture over an op table (the pool planned by an eager pass first), the streamed layers' window
+and the release of a runner's device memory."""
+
+from numba import cuda
+
+def planned_capture(ops, eager, run):
+    """capture(ops, run) after eager(), the same ops run once eagerly (compiling the kernels, planning the
+    products): the pool records the eager pass's requests, lets go of the blocks it made, and lends the
+    capture's requests the blocks it planned for them (memory.pool)."""
+    pool, window = ops.pool, ops.window
+    pool.record()
+    if window is not None:
+        window.begin(ops)          # each streamed layer copied when asked; the order kept for the capture
+    try:
+        eager()
+        cuda.synchronize()
+    finally:
+        planned = pool.plan()
+        uses = window.finish() if window is not None else None
+    cuda.current_context().deallocations.clear()     # the blocks let go, freed now rather than at numba's leisure
+    pool.script(planned)
+    try:
+        return capture(ops, run, uses)
+    finally:
+        pool.script(None)
+
+
+def capture(ops, run, uses=None):
+    """(graph, stream, what run() returned): the ops run() launches on `ops`, captured as one CUDA graph
+    (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept. `uses`:
+    the streamed layers' order (planned_capture's eager pass), their copies then prefetched inside the graph."""
+    from cuda.core import Device, StreamOptions
+
+    dev = Device()
+    dev.set_current()
+    stream = dev.create_stream(options=StreamOptions(nonblocking=True))
+    builder = stream.create_graph_builder()
+    ops.kept = []
+    with cuda.defer_cleanup():
+        builder.begin_building("relaxed")
+        ops.stream, ops.capturing = builder, True
+        try:
+            if ops.window is not None:
+                ops.window.begin(ops, uses if uses is not None else [])
+            out = run()
+            if ops.window is not None:
+                ops.window.finish()        # every copy on the side branch waited for before the capture ends
+        finally:
+            ops.stream, ops.capturing = 0, False
+            builder.end_building()
+    return builder.complete(), stream, out
+
+
+def make_window(tensors, names, layers):
+    from ..memory.window import Window
+    return Window(tensors, names, layers)
+
+
+def release(runner):
+    """Let go of a GPU runner's device memory (CudaEncoder, CudaDenoiser): its weights, its graphs and its
+    window are freed once nothing refers to them; the pool's blocks stay in the shared pool."""
+    runner.__dict__.clear()
+    import gc
+    gc.collect()
+    cuda.synchronize()
+    cuda.current_context().deallocations.clear()

@@ -1,0 +1,1 @@
+"""The numpy op table's families (core, gdn, conv, dit), composed into NumpyOps in table.py."""
