@@ -1,4 +1,4 @@
-"""The VAE decoder's image ops: split fp16 images of a conv, the split products, group norm, latents in, pixels out.
+"""The VAE's image ops: split fp16 images of a conv, the split products, group norm, latents in and out, pixels out.
 
 A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
 max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
@@ -12,6 +12,8 @@ A k x k conv needs no columns: its input is split once into an image whose rows 
 (the padding) and whose pixels are [hi | lo | hi] (split_image triple), so tap (dy, dx) of every output pixel
 is the image row dy (W + 2) + dx further on; one product a tap with the weight's [w_hi | w_hi | w_lo] of that
 tap (tap_weights) reads the image in place, and cuBLAS sums the taps into one float32 product (tap_product).
+The encoder's stride-2 3x3 conv (bottom and right padding) is a 2x2 one over its input's 2x2 phases, which the
+split reads through (split_image down, down_weight), its taps from one pixel on (tap_product's origin).
 """
 
 import functools
