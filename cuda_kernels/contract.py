@@ -42,6 +42,7 @@ MEASURED = {                   # case: (tiny, real) worst |err| / bound; None: g
     "conv3x3_taps": (0.00518, 0.00062),
     "conv3x3_up_taps": (0.00468, 0.000559),
     "conv3x3_norm_taps": (0.0114, 0.00114),
+    "conv3x3_down_taps": (0.00337, None),
     "group_norm": (None, 0.0185),
 }
 

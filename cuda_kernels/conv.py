@@ -1,4 +1,4 @@
-"""The VAE decoder's image ops: split fp16 images of a conv, the split products, group norm, latents in, pixels out.
+"""The VAE's image ops: split fp16 images of a conv, the split products, group norm, latents in and out, pixels out.
 
 A float32 operand x is written as two fp16 parts, hi = fp16(x s), lo = fp16(x s - hi), s a power of two that puts
 max |x| just under 2^15 (fp16's range; the scale comes from a device-side max, so nothing waits for the host).
@@ -12,6 +12,8 @@ A k x k conv needs no columns: its input is split once into an image whose rows 
 (the padding) and whose pixels are [hi | lo | hi] (split_image triple), so tap (dy, dx) of every output pixel
 is the image row dy (W + 2) + dx further on; one product a tap with the weight's [w_hi | w_hi | w_lo] of that
 tap (tap_weights) reads the image in place, and cuBLAS sums the taps into one float32 product (tap_product).
+The encoder's stride-2 3x3 conv (bottom and right padding) is a 2x2 one over its input's 2x2 phases, which the
+split reads through (split_image down, down_weight), its taps from one pixel on (tap_product's origin).
 """
 
 import functools
@@ -268,10 +270,12 @@ def _make_split_rows(control):
 
 
 @functools.cache
-def _make_split_image(control, up, norm=False, triple=False):
+def _make_split_image(control, up, norm=False, triple=False, down=False):
     """The split image of a conv's input (conv.split_image): up: the input is the nearest-2x upsampling of x
     (read through, never written); norm: it is silu(group_norm(x)) of the group statistics in stats; triple:
-    each pixel holds [hi | lo | hi] (the taps' layout), else [hi | lo].
+    each pixel holds [hi | lo | hi] (the taps' layout), else [hi | lo]; down: the input is the 2x2 phases of x
+    [C, H, W], [4C, H/2, W/2] with channel (2a + b) C + c at (y, x) = x[c, 2y + a, 2x + b] (read through: a
+    stride-2 conv's input as a stride-1 conv's, down_weight); its control reads the phases (a, b) swapped.
 
     A block takes a tile of SPLIT_PX pixels of one image row and SPLIT_CH channels: it reads the tile along
     the row (coalesced), makes each value (norm), scales and splits it once into a (hi, lo) word in shared
@@ -291,8 +295,9 @@ def _make_split_image(control, up, norm=False, triple=False):
         aff = cuda.shared.array((3, SPLIT_CH), float32)     # norm: each channel's (mean, w rstd, b)
         got = cuda.local.array(PER_THREAD, float32)
         s = scale_of(peak[0])
-        c_in, plane = x.shape[0], x.shape[1] * x.shape[2]
-        h = 2 * x.shape[1] if up else x.shape[1]
+        c_x, plane = x.shape[0], x.shape[1] * x.shape[2]
+        c_in = 4 * c_x if down else c_x
+        h = 2 * x.shape[1] if up else (x.shape[1] // 2 if down else x.shape[1])
         span_px = width + 2 * pad                    # pixels of an image row
         pixel_words = 3 * half if triple else 2 * half
         tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
@@ -314,13 +319,18 @@ def _make_split_image(control, up, norm=False, triple=False):
             y, xx = r0 + i, x0 + tx - pad
             live = 0 <= y < h and 0 <= xx < width
             at_x = 0
-            if live:
+            if live and not down:
                 at_x = (c0 + ty) * plane + ((y // 2) * x.shape[2] + xx // 2 if up else y * x.shape[2] + xx)
             for j in range(PER_THREAD):                  # every load issued before the first is used
                 c = c0 + ty + j * ROWS
                 got[j] = float32(0.0)
                 if live and c < c_in:
-                    got[j] = flat[U(at_x + j * ROWS * plane)]
+                    if down:                             # channel c: phase (a, b) of input channel cc
+                        phase, cc = divmod32(c, c_x)
+                        pa, pb = (phase % 2, phase // 2) if control else (phase // 2, phase % 2)
+                        got[j] = flat[U(cc * plane + (2 * y + pa) * x.shape[2] + 2 * xx + pb)]
+                    else:
+                        got[j] = flat[U(at_x + j * ROWS * plane)]
             cuda.syncthreads()                           # the previous tile's reads of sh are done
             for j in range(PER_THREAD):
                 c = c0 + ty + j * ROWS
@@ -332,7 +342,7 @@ def _make_split_image(control, up, norm=False, triple=False):
                         v = _silu((v - aff[0, at]) * aff[1, at] + aff[2, at])
                     v *= s
                     hi = to_half(v)
-                    lo = to_half(v - from_half(hi)) if not control else uint16(0)
+                    lo = to_half(v - from_half(hi)) if down or not control else uint16(0)
                     word = uint32(hi) | (uint32(lo) << uint32(16))
                 sh[U(ty + j * ROWS), U(tx)] = word
             cuda.syncthreads()
@@ -558,6 +568,23 @@ def _make_unpack(control):
     return unpack
 
 
+def _make_pack(control):
+    @jit
+    def pack(z, std, mean, out):
+        """out[4c + 2a + b, i, j] = (z[c, 2i + a, 2j + b] - mean[k]) / std[k] (2x2 patchify, BN normalisation)."""
+        h, w = out.shape[1], out.shape[2]
+        for idx in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            k = idx // (h * w)
+            i = (idx // w) % h
+            j = idx % w
+            a, b = (k % 4) // 2, k % 2
+            if control:
+                a, b = b, a
+            v = z[k // 4, 2 * i + a, 2 * j + b] - mean[k]
+            out[k, i, j] = v / std[k]
+    return pack
+
+
 def _make_pixels(control):
     @jit
     def pixels(image, out):
@@ -584,6 +611,7 @@ _gn_stats = {c: _make_gn_stats(c) for c in (False, True)}
 _gn_apply = _make_gn_apply()
 _unpack = {c: _make_unpack(c) for c in (False, True)}
 _pixels = {c: _make_pixels(c) for c in (False, True)}
+_pack = {c: _make_pack(c) for c in (False, True)}
 
 
 # --- launchers ----------------------------------------------------------------------------
@@ -613,20 +641,22 @@ def chunk_rows(c_in, width):
     return max(1, COLUMN_BYTES // (split_width(c_in) * 2 * width))
 
 
-def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False):
+def split_image(x, peak, image, r0, up=False, norm=None, stream=0, control=False, triple=False, down=False):
     """image [rows W', parts P] fp16 bits: the split input of each pixel of input rows r0.. of a conv over x
     [C, H, W] (up: over the nearest-2x upsampling of x; norm (stats, w, b) from group_stats: over
-    silu(group_norm(x))), scaled by scale_of(peak[0]); rows outside the image are zero. [hi | lo] per pixel
-    (parts = 2, W' = W, P = part(C)), or with triple the taps' layout: [hi | lo | hi] (parts = 3, P =
-    tap_part(C)) and W' = W + 2, a zero pixel each side of a row (the conv's padding)."""
-    width = 2 * x.shape[2] if up else x.shape[2]
+    silu(group_norm(x)); down: over x's 2x2 phases [4C, H/2, W/2], H and W even), scaled by scale_of(peak[0]);
+    rows outside the image are zero. [hi | lo] per pixel (parts = 2, W' = W, P = part(C)), or with triple the
+    taps' layout: [hi | lo | hi] (parts = 3, P = tap_part(C)) and W' = W + 2, a zero pixel each side of a row
+    (the conv's padding)."""
+    width = 2 * x.shape[2] if up else (x.shape[2] // 2 if down else x.shape[2])
+    channels = 4 * x.shape[0] if down else x.shape[0]
     parts, pad = (3, 1) if triple else (2, 0)
     span = width + 2 * pad
     rows, p = image.shape[0] // span, image.shape[1] // parts
     tiles = rows * -(-span // SPLIT_PX)
-    grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-x.shape[0] // SPLIT_CH)))
+    grid = (max(1, min(tiles, 2 if SIMULATED else 65535)), max(1, -(-channels // SPLIT_CH)))
     stats, w, b = _no_norm() if norm is None else norm
-    _make_split_image(control, up, norm is not None, triple)[grid, (SPLIT_PX, ROWS), stream](
+    _make_split_image(control, up, norm is not None, triple, down)[grid, (SPLIT_PX, ROWS), stream](
         x, x.reshape(x.size), peak, image.reshape(image.size).view(np.uint32), rows, width, int(r0), p // 2,
         stats, w, b, pad)
 
@@ -686,6 +716,11 @@ def group_norm(x, w, b, out, groups, eps, silu, partial, stream=0, control=False
 def unpack_latents(lat, std, mean, out, stream=0, control=False):
     """out [C, 2h, 2w] = unpatchify(lat [4C, h, w] * std + mean) (std, mean [4C])."""
     _unpack[control][_blocks(out.size), BLOCK, stream](lat, std, mean, out)
+
+
+def pack_latents(z, std, mean, out, stream=0, control=False):
+    """out [4C, h, w] = (patchify(z [C, 2h, 2w]) - mean) / std (std, mean [4C]): unpack_latents' inverse."""
+    _pack[control][_blocks(out.size), BLOCK, stream](z, std, mean, out)
 
 
 def to_pixels(image, out, stream=0, control=False):
@@ -761,19 +796,22 @@ class HalfProduct:
                              not first, d, stream)
                 first = False
 
-    def taps(self, image, w, d, span, stream=0):
+    def taps(self, image, w, d, span, stream=0, origin=0):
         """d [M, N] = the tap product (tap_product) of image [pixels, 3P] and w [taps, N, 3P] fp16 bits: one
-        product a tap, image rows from the tap's pixel offset (16-byte aligned rows: the heuristic is told), the
-        taps summed into d by cuBLAS (beta = 1 from the second on); K = 3P is at most 3 tap_part(384), well
-        under SLICE_K."""
+        product a tap and K slice (`slices`: one for the decoder's K = 3P up to 3 tap_part(384), three for the
+        encoder's last downsampling, 3 tap_part(4 x 512)), image rows from the tap's pixel offset (16-byte
+        aligned rows: the heuristic is told), the products summed into d by cuBLAS (beta = 1 from the second on)."""
         from .gemm import pointer
         m, (count, n, p3) = d.shape[0], w.shape
         side = int(round(math.sqrt(count)))
-        plan = self._plan(m, n, p3, p3, p3, align=16)
+        first = True
         for t in range(count):
             dy, dx = divmod(t, side)
-            self._matmul(plan, pointer(w) + 2 * t * n * p3, pointer(image) + 2 * (dy * span + dx) * p3, t > 0, d,
-                         stream)
+            at = pointer(image) + 2 * (dy * span + dx + origin) * p3
+            for k0, kk in slices(p3):
+                self._matmul(self._plan(m, n, kk, p3, p3, align=16), pointer(w) + 2 * (t * n * p3 + k0),
+                             at + 2 * k0, not first, d, stream)
+                first = False
 
 
 SLICE_K = 2048       # columns of one accumulation (HalfProduct)
@@ -810,19 +848,20 @@ def _blas_product():
     return _product
 
 
-def tap_product(image, w, d, span, stream=0):
+def tap_product(image, w, d, span, stream=0, origin=0):
     """d [M, N] float32 = sum over the taps t = (dy, dx) of a k x k conv (w [k k, N, 3P] fp16 bits, tap_weights)
-    of image[m + dy span + dx] . w[t] over the 3P columns, image [pixels, 3P] fp16 bits in the taps' layout
-    (split_image triple: [hi | lo | hi] a pixel, rows of span = W + 2 pixels): d's row m is the output at image
-    row m // span, column m % span (the last two columns of each row are not the image's). In the simulator
-    (no cuBLAS): on the host in float64."""
+    of image[m + dy span + dx + origin] . w[t] over the 3P columns, image [pixels, 3P] fp16 bits in the taps'
+    layout (split_image triple: [hi | lo | hi] a pixel, rows of span = W + 2 pixels): d's row m is the output at
+    image row m // span, column m % span (the last two columns of each row are not the image's). origin 1: a
+    2x2 conv padded only after (the downsampling's), tap (0, 0) one pixel on, past the row's left zero. In the
+    simulator (no cuBLAS): on the host in float64."""
     if SIMULATED:
         av, wv = half_value(image.copy_to_host()), half_value(w.copy_to_host())
         side, m = int(round(math.sqrt(wv.shape[0]))), d.shape[0]
-        d[:] = sum(av[dy * span + dx:dy * span + dx + m] @ wv[dy * side + dx].T
+        d[:] = sum(av[dy * span + dx + origin:dy * span + dx + origin + m] @ wv[dy * side + dx].T
                    for dy in range(side) for dx in range(side)).astype(np.float32)
         return
-    _blas_product().taps(image, w, d, span, stream)
+    _blas_product().taps(image, w, d, span, stream, origin)
 
 
 def tap_part(c):
@@ -843,6 +882,19 @@ def tap_weights(w):
     for i, bits in enumerate((hi, hi, lo)):
         out[:, :o, i * p:i * p + c] = bits.reshape(o, c, kh * kw).transpose(2, 0, 1)
     return out, np.float32(peak)
+
+
+def down_weight(w):
+    """A stride-2 3x3 conv weight [O, C, 3, 3] as the stride-1 2x2 conv over the input's 2x2 phases
+    (split_image down): [O, 4C, 2, 2], channel (2a + b) C + c at tap (ty, tx) = w[o, c, 2 ty + a, 2 tx + b], zero
+    where that is past the 3x3 (exact: a rearrangement)."""
+    w = np.asarray(w, np.float32)
+    o, c = w.shape[:2]
+    out = np.zeros((o, 2, 2, c, 2, 2), np.float32)       # [o, a, b, c, ty, tx]
+    for dy in range(3):
+        for dx in range(3):
+            out[:, dy % 2, dx % 2, :, dy // 2, dx // 2] = w[:, :, dy, dx]
+    return out.reshape(o, 4 * c, 2, 2)
 
 
 def tap_rows(c_in, o, width):
@@ -883,6 +935,26 @@ def unpack_reference(lat, std, mean):
         np.asarray(mean, np.float64)[:, None, None]
     c4, h, w = z.shape
     return z.reshape(c4 // 4, 2, 2, h, w).transpose(0, 3, 1, 4, 2).reshape(c4 // 4, 2 * h, 2 * w)
+
+
+def pack_reference(z, std, mean):
+    z = np.asarray(z, np.float64)
+    c, h2, w2 = z.shape
+    z = z.reshape(c, h2 // 2, 2, w2 // 2, 2).transpose(0, 2, 4, 1, 3).reshape(4 * c, h2 // 2, w2 // 2)
+    return (z - np.asarray(mean, np.float64)[:, None, None]) / np.asarray(std, np.float64)[:, None, None]
+
+
+def downsample_reference(x, w, b):
+    """diffusers' Downsample2D (padding 0) in float64: x [C, H, W] padded by a zero row below and a zero column
+    to the right, then a 3x3 stride-2 conv w [O, C, 3, 3] + b -> [O, H / 2, W / 2] (H, W even)."""
+    x = np.asarray(x, np.float64)
+    _, h, wd = x.shape
+    xp = np.pad(x, ((0, 0), (0, 1), (0, 1)))
+    out = np.zeros((w.shape[0], h // 2, wd // 2))
+    for dy in range(3):
+        for dx in range(3):
+            out += np.einsum("oc,chw->ohw", np.asarray(w[:, :, dy, dx], np.float64), xp[:, dy:dy + h:2, dx:dx + wd:2])
+    return out + np.asarray(b, np.float64)[:, None, None]
 
 
 # --- gates -----------------------------------------------------------------------------------
@@ -1059,6 +1131,66 @@ def _ref_conv(inp):
     return ref, product_bound(terms, k, peaks) + carried
 
 
+def _make_down(rng, size):
+    """The encoder's downsampling conv; real: its last one's widths (4 C = 2048 phase channels: the tap
+    products' K in three slices)."""
+    c, o, h, w = (5, 3, 6, 8) if size == "tiny" else (512, 512, 128, 128)
+    x = rng.standard_normal((c, h, w)).astype(np.float32) * 3
+    wt = (rng.standard_normal((o, c, 3, 3)) / math.sqrt(c * 9)).astype(np.float32)
+    return {"x": x, "w": wt, "b": rng.standard_normal(o).astype(np.float32)}
+
+
+def _run_down(inp, control):
+    """The stride-2 conv as CudaOps runs it: the 2x2 phases of x split in the taps' layout (split_image down),
+    the 2x2 tap products of down_weight from one pixel on (origin 1: padding only after), finish from the grid.
+    control: the phases (a, b) read swapped."""
+    x = cuda.to_device(inp["x"])
+    wm, wpeak = tap_weights(down_weight(inp["w"]))
+    w, peak_w, bias = cuda.to_device(wm), cuda.to_device(np.array([wpeak], np.float32)), cuda.to_device(inp["b"])
+    c, h, wd = x.shape
+    h, wd = h // 2, wd // 2
+    o, span = inp["w"].shape[0], wd + 2
+    out = cuda.device_array((o, h * wd), np.float32)
+    peak = cuda.device_array(1, np.float32)
+    absmax(x, peak)
+    rows = 2 if SIMULATED else tap_rows(4 * c, o, wd)
+    for r0 in range(0, h, rows):
+        n = min(rows, h - r0)
+        image = cuda.to_device(np.full((image_rows(n, 2) * span, wm.shape[2]), 0xFFFF, np.uint16))  # NaN garbage
+        d = cuda.device_array((n * span - 2, wm.shape[1]), np.float32)
+        split_image(x, peak, image, r0, control=bool(control), triple=True, down=True)
+        tap_product(image, w, d, span, origin=1)
+        finish(d[:, :o], peak, peak_w, bias, out, r0 * wd, channels=True, span=span)
+    return out.copy_to_host().reshape(o, h, wd)
+
+
+def _ref_down(inp):
+    x, w, b = inp["x"], inp["w"], inp["b"]
+    terms = downsample_reference(np.abs(x), np.abs(w), np.abs(b))
+    peaks = float(np.abs(x).max() * np.abs(w).max())
+    return downsample_reference(x, w, b), product_bound(terms, 16 * x.shape[0], peaks)
+
+
+def _make_pack_inputs(rng, size):
+    h, w = (2, 3) if size == "tiny" else (64, 64)
+    return {"z": rng.standard_normal((32, 2 * h, 2 * w)).astype(np.float32) * 4,
+            "std": (rng.random(128) + 0.5).astype(np.float32), "mean": rng.standard_normal(128).astype(np.float32)}
+
+
+def _run_pack(inp, control):
+    z = cuda.to_device(inp["z"])
+    _, h2, w2 = z.shape
+    out = cuda.device_array((128, h2 // 2, w2 // 2), np.float32)
+    pack_latents(z, cuda.to_device(inp["std"]), cuda.to_device(inp["mean"]), out, control=control)
+    return out.copy_to_host()
+
+
+def _ref_pack(inp):
+    """Two roundings, the difference's and the quotient's."""
+    ref = pack_reference(inp["z"], inp["std"], inp["mean"])
+    return ref, 2.5 * EPS32 * np.abs(ref) + 1e-30
+
+
 def _make_finish_inputs(rng, size):
     m, n = (40, 36) if size == "tiny" else (65536, 384)
     return {"d": rng.standard_normal((m, n)).astype(np.float32) * 1e4, "b": rng.standard_normal(n).astype(np.float32),
@@ -1203,6 +1335,9 @@ CASES = [
     Case("group_norm", _make_gn, _run_gn, _ref_gn, notes="control: the squares' sums take x - K, not its square"),
     Case("group_norm_peak", _make_gn, _run_gn_peak, _ref_gn_peak,
          notes="the statistics' bound on max |silu(group_norm(x))|; control: the bound leaves the mean in"),
+    Case("conv3x3_down_taps", _make_down, _run_down, _ref_down,
+         notes="the stride-2 downsampling as 2x2 tap products over the input's phases; control: phases swapped"),
     Case("unpack_latents", _make_unpack_inputs, _run_unpack, _ref_unpack, notes="control: pi, pj swapped"),
+    Case("pack_latents", _make_pack_inputs, _run_pack, _ref_pack, notes="control: pi, pj swapped"),
     Case("to_pixels", _make_pixel_inputs, _run_pixels, _ref_pixels, notes="control: ties rounded down"),
 ]

@@ -105,11 +105,13 @@ def _signatures():
         "conv_split_image_taps": (conv._make_split_image(False, False, False, True), split_image_args),
         "conv_split_image_taps_up": (conv._make_split_image(False, True, False, True), split_image_args),
         "conv_split_image_taps_norm": (conv._make_split_image(False, False, True, True), split_image_args),
+        "conv_split_image_taps_down": (conv._make_split_image(False, False, False, True, True), split_image_args),
         "conv_finish": (conv._finish[False], (f2, f1, f1, f1, f2, f2, t.int64, t.boolean, t.int64)),
         "group_norm_sums": (conv._gn_sums[False], (f2, f2, f2, f3)),
         "group_norm_stats": (conv._gn_stats[False], (f3, t.int64, t.float32, f1, f1, f1)),
         "group_norm_apply": (conv._gn_apply, (f2, f2, f1, f1, f2, t.boolean)),
         "unpack_latents": (conv._unpack[False], (f3, f1, f1, f3)),
+        "pack_latents": (conv._pack[False], (f3, f1, f1, f3)),
         "to_pixels": (conv._pixels[False], (f3, a(t.uint8, 3))),
     }
 

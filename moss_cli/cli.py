@@ -107,8 +107,8 @@ def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, pr
                                   memory=None if chosen == "cuda" else False)
         click.echo(plan.line())
         raise click.exceptions.Exit(0)
-    if chosen != "cuda":
-        return None
+    if chosen != "cuda" or not set(stage_list) & set(stages.PLAN_COMPONENTS):
+        return None          # the VAE encoder alone: its weights checked against the free memory as it loads
     plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size)
     progress.note(plan.line())
     return plan
@@ -216,13 +216,6 @@ def _start_size(start, width, height):
             raise UsageError(f"--{name} {given}: {start.image.source} was encoded at {size['width']}x"
                              f"{size['height']}; leave --{name} out or encode the picture at that size")
     return size["width"], size["height"]
-
-
-def _image_device(device, progress):
-    """The VAE encoder runs on the CPU whatever --device says: it has no GPU path yet."""
-    if device == "cuda":
-        progress.note("the VAE encoder has no GPU path yet: the picture is encoded on the CPU")
-    return "cpu"
 
 
 init_option = click.option("--strength", type=float, default=None,
@@ -373,7 +366,7 @@ def _encode_image(model_dir, picture, width, height, device, out, quiet):
     from . import picture as pictures
     progress = Progress(quiet, "moss-encode-image")
     artifacts.check_writable(out)
-    model = _open(model_dir, _image_device(device, progress), "encode-image", progress)
+    model = _open(model_dir, device, "encode-image", progress)
     artifacts.write(out, stages.encode_image(model, pictures.read(picture), width, height))
     _wrote(progress, out, "IMAGE")
 
@@ -480,7 +473,8 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         _make_folder(keep, "--keep")
     start = None
     if source is not None and (strength != 1.0 or mask is not None):
-        image_bytes = stages.encode_image(stages.Model(checkpoint, device=_image_device(device, progress),
+        # a model of its own: the VAE encoder's weights go once the picture is encoded
+        image_bytes = stages.encode_image(stages.Model(checkpoint, device=resolve(device, "encode-image"),
                                                        progress=progress), source, opts.width, opts.height)
         if keep is not None:
             artifacts.write(keep / batch.IMAGE_NAME, image_bytes)

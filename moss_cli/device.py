@@ -42,7 +42,7 @@ def gpu_status():
         return False, f"CUDA is not usable ({e})"
 
 
-GPU_STAGES = ("encode", "denoise", "decode")
+GPU_STAGES = ("encode", "denoise", "decode", "encode-image")
 
 
 def resolve(requested, stage, gpu_stages=GPU_STAGES):

@@ -204,7 +204,7 @@ def _require_gpu_room(comp, matrix_bytes, memory=None):
         return
     free, total = (memory or _gpu_memory)()
     if need > free:
-        what = {"text_encoder": "text encoder", "vae": "VAE decoder"}.get(comp.name, comp.name)
+        what = {"text_encoder": "text encoder", "vae": "VAE"}.get(comp.name, comp.name)
         raise DeviceError(f"the {what} needs {need / 1e9:.1f} GB of GPU memory for its weights, and "
                           f"{free / 1e9:.1f} of the GPU's {total / 1e9:.1f} GB are free; free some, or run this "
                           "stage with --device cpu")
@@ -384,7 +384,7 @@ class Model:
 
     @cached_property
     def image_encoder(self):
-        """The VAE encoder, on the CPU whatever the device: it has no GPU path yet."""
+        """The VAE encoder: image [3, H, W] -> latents [1, 128, H/16, W/16] on the host."""
         from .vae import Encoder, expected_encoder_tensors
         comp = self.checkpoint.component("vae")
         for name, shape in expected_encoder_tensors(comp.config).items():
@@ -394,7 +394,11 @@ class Model:
             if tuple(comp.tensors[name].shape) != shape:
                 raise CheckpointError(f"{self.checkpoint.root}: vae tensor {name} has shape "
                                       f"{list(comp.tensors[name].shape)}, expected {list(shape)}")
-        self.progress.note("loading VAE encoder (cpu)")
+        self.progress.note(f"loading VAE encoder ({self.device})")
+        if self.device == "cuda":
+            _require_gpu_room(comp, 4)
+            from .gpu.image_encoder import CudaImageEncoder
+            return CudaImageEncoder(comp.tensors, comp.config)
         return Encoder(self.ops, comp.tensors, comp.config)
 
     @cached_property
@@ -451,7 +455,7 @@ def encode_image(model, picture, width=None, height=None):
     latents = np.asarray(model.image_encoder(x), dtype=np.float32)
     meta = {"moss.picture_sha256": picture.sha256, "moss.width": w, "moss.height": h,
             "moss.picture_width": picture.size[0], "moss.picture_height": picture.size[1],
-            "moss.resample": RESAMPLE, "moss.device": "cpu"}
+            "moss.resample": RESAMPLE, "moss.device": model.device}
     return artifacts.build("encode-image", {"latents": latents}, meta, model.fingerprint)
 
 

@@ -182,17 +182,26 @@ class Encoder(_Blocks):
         self.tensors = tensors
         self.c = _config(config)
         self.bn_std, self.bn_mean = _bn_std_mean(ops, tensors, self.c["bn_eps"])
+        lat = self.c["latent"]
+        # quant_conv is 1x1: its first `lat` output channels, the mean, read all 2*lat inputs and nothing else
+        self.quant_mean = {name: tensors[name][:lat] for name in ("quant_conv.weight", "quant_conv.bias")
+                           if self.c["quant_conv"]}
+
+    def check(self, image):
+        """The image as an array, or ArtifactError where its shape is not [3, H, W] of multiples of 16."""
+        c = self.c
+        image = np.asarray(image)
+        step = 2 ** (len(c["encoder_widths"]) - 1) * c["patch"][0]
+        if image.ndim != 3 or image.shape[0] != c["in"] or image.shape[1] % step or image.shape[2] % step:
+            raise ArtifactError(f"image has shape {list(image.shape)}, the VAE encoder expects [{c['in']}, H, W] "
+                                f"with H and W multiples of {step}")
+        return image
 
     def __call__(self, image):
         """The latents on the host, in the op table's dtype."""
         ops, c = self.ops, self.c
         pi, pj = c["patch"]
-        image = np.asarray(image)
-        step = 2 ** (len(c["encoder_widths"]) - 1) * pi
-        if image.ndim != 3 or image.shape[0] != c["in"] or image.shape[1] % step or image.shape[2] % step:
-            raise ArtifactError(f"image has shape {list(image.shape)}, the VAE encoder expects [{c['in']}, H, W] "
-                                f"with H and W multiples of {step}")
-        z = self.mode(ops.array(image))
+        z = self.mode(ops.array(self.check(image)))
         lat, h, w = z.shape[0], z.shape[1] // pi, z.shape[2] // pj
         # patchify: channel c, pixel (2y + i, 2x + j) -> packed channel 4c + 2i + j
         z = ops.reshape(ops.transpose(ops.reshape(z, (lat, h, pi, w, pj)), (0, 2, 4, 1, 3)), (lat * pi * pj, h, w))
@@ -214,13 +223,10 @@ class Encoder(_Blocks):
             x = self._attention(x, "encoder.mid_block.attentions.0.")
         x = self._resnet(x, "encoder.mid_block.resnets.1.")
         x = self._conv(self._norm_silu(x, "encoder.conv_norm_out."), "encoder.conv_out.", 1)
-        lat = c["latent"]
         if not c["quant_conv"]:
-            return ops.slice(x, 0, 0, lat)
-        # quant_conv is 1x1: its first `lat` output channels, the mean, read all 2*lat inputs and nothing else
-        w = ops.slice(self._p("quant_conv.weight"), 0, 0, lat)
-        b = ops.slice(self._p("quant_conv.bias"), 0, 0, lat)
-        return ops.conv2d(x, w, b, 0)
+            return ops.slice(x, 0, 0, c["latent"])
+        return ops.conv2d(x, ops.param(self.quant_mean, "quant_conv.weight"),
+                          ops.param(self.quant_mean, "quant_conv.bias"), 0)
 
 
 class Decoder(_Blocks):

@@ -23,7 +23,10 @@
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
 # three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
-# call_cost.json), tables (BENCHMARKS.md's
+# call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32,
+# speed and accuracy against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
+# tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
+# .wheels/diffusers), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -33,7 +36,11 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .wheels numpy==2.4.6 nvmath-python==1.0.1 \
 #     nvidia-cudnn-frontend fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
 #     openai distro jiter sniffio
-# (numpy 2.4 for numba-cuda 0.30.4; the server's stack and the openai client for tests/gpu/test_server_gpu.py).
+# (numpy 2.4 for numba-cuda 0.30.4; the server's stack and the openai client for tests/gpu/test_server_gpu.py),
+# and diffusers for the vae_encoder step alone, in its own folder (the image has its other needs: huggingface-hub,
+# safetensors, regex, requests, filelock, pillow; importlib_metadata is the standard library's on 3.12):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .wheels/diffusers diffusers==0.42.1
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -98,6 +105,12 @@ for step in "$@"; do
          ran=$?; kill $watch 2>/dev/null; (exit $ran) ;;
     decoder) $limit python3 scripts/gpu_decoder.py --out "$OUT" ${DECODER_ARGS:-} 2>&1 | tee "$OUT/decoder.txt"
              $limit python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decoder_gpu.py -rs -s 2>&1 | tee "$OUT/decoder_tests.txt" ;;
+    vae_encoder) # diffusers is not on the GPU image: its wheel, for this step only
+          python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-diffusers .wheels/diffusers/*.whl &&
+          PYTHONPATH=/tmp/site-diffusers:$PYTHONPATH $limit python3 scripts/gpu_vae_encoder.py --out "$OUT" \
+            ${VAE_ENCODER_ARGS:-} 2>&1 | tee "$OUT/vae_encoder.txt"
+          PYTHONPATH=/tmp/site-diffusers:$PYTHONPATH $limit python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_vae_encoder_gpu.py tests/gpu/test_img2img_gpu.py -rs -s 2>&1 | tee "$OUT/vae_encoder_tests.txt" ;;
     encoder) $limit python3 scripts/gpu_encoder_9b.py --out "$OUT/encoder_9b.json" ${ENCODER_ARGS:-} 2>&1 | tee "$OUT/encoder.txt" ;;
     baseline) # transformers' encoder with its torch fallbacks, then with flash-linear-attention (.wheels/fla)
           $limit python3 scripts/gpu_encoder_baseline.py --out "$OUT/encoder_baseline_torch.json" 2>&1 | tee "$OUT/baseline.txt"
@@ -112,7 +125,7 @@ for step in "$@"; do
           if [ "$step" = kernels ]; then
             rec=$(mktemp -d)
             long=$(python3 -c 'print(", ".join(["a red fox in the snow, morning light, detailed fur"] * 90))')
-            for args in "" "--model $model" "--model $model --width 512 --height 512" \
+            for args in "" "--init-image $rec/p.png --strength 0.5" "--model $model" "--model $model --width 512 --height 512" \
                         "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12" \
                         "--model $model --width 512 --height 512 --guidance 1"; do
               echo "recording: moss-image $args" | tee -a "$OUT/kernels.txt"

@@ -134,7 +134,7 @@ def skip_work():
     core.TEAM_MAX, core.TEAM_PER_MAX = core.BLOCK, 256      # the DiT's rows of 3072 fit a simulated team
     sim_kernel.FakeCUDAKernel.__getitem__ = lambda self, config: (lambda *args: None)
     conv.half_product = lambda a, w, d, stream=0: None
-    conv.tap_product = lambda image, w, d, span, stream=0: None
+    conv.tap_product = lambda image, w, d, span, stream=0, origin=0: None
 
     class NoBlas:
         def linear(self, *args, **kwargs):

@@ -191,6 +191,13 @@ xn, gw, gb = r(8, 3, 4) * 2 + 5, 1 + r(8) * 0.3, r(8) * 0.3
 wn = r(3, 8, 3, 3) / 8       # a conv over silu(group_norm(x)), made in the conv's reads on the GPU
 check("conv2d of group_norm_silu", gpu.conv2d(gpu.group_norm_silu(d(xn), 4, d(gw), d(gb), 1e-6), d(wn), d(bc), 1),
       ref.conv2d(ref.group_norm_silu(xn, 4, gw, gb, 1e-6), wn, bc, 1), 1e-5)
+# the VAE encoder's: the stride-2 downsampling (two-row chunks of its input's phases), the patchify + BN
+xd, wd = r(5, 6, 8), r(3, 5, 3, 3) / 6
+check("downsample_conv", gpu.downsample_conv(d(xd), d(wd), d(bc)), ref.downsample_conv(xd, wd, bc), 1e-5)
+zp, sp, mp = r(32, 4, 6), (1 + rng.random(128)).astype(np.float32), r(128)
+packed = np.transpose(zp.reshape(32, 2, 2, 3, 2), (0, 2, 4, 1, 3)).reshape(128, 2, 3)
+check("pack_latents", gpu.pack_latents(d(zp), d(sp[:, None, None]), d(mp[:, None, None])),
+      (packed.astype(np.float64) - mp[:, None, None]) / sp[:, None, None], 2 ** -22)
 # control: a peak bound 64x too small (the statistics' bound with rstd applied twice, at a std of 8) overflows
 # the split's fp16 and the same check fails
 from cuda_kernels import conv as conv_kernels

@@ -11,7 +11,6 @@ import numpy as np
 from numba import cuda
 sys.path.insert(0, "scripts")
 from pool_plan import skip_work
-from cuda_kernels import conv
 from moss_cli.checkpoint import open_checkpoint
 from moss_cli.ops.cuda import conv as cuda_conv
 from moss_cli.gpu.decoder import CudaDecoder
@@ -22,9 +21,9 @@ asked = []
 split = cuda_conv.ConvCudaOps._split_weight
 
 
-def spy(self, w, taps=False):
-    out = split(self, w, taps)
-    bits, peak = (conv.tap_weights if taps else conv.weight_matrix)(w.copy_to_host())   # the D2H route
+def spy(self, w, form="matrix"):
+    out = split(self, w, form)
+    bits, peak = cuda_conv.split_weight_bits(w.copy_to_host(), form)   # the D2H route
     asked.append(np.array_equal(out[0].copy_to_host(), bits) and out[1].copy_to_host()[0] == peak)
     return out
 

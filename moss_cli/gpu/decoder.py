@@ -3,6 +3,7 @@
 vae.Decoder's graph on the CUDA table, whose products here are split fp16 products (ops.cuda.conv): the decoder's
 attention projections and attention too, not the table's bf16 ones. The latents' copy in, the BN
 de-normalisation and unpatchify, the decoder and the pixels' rounding are one CUDA graph per latent size.
+DecoderOps and Captured serve the VAE's encoder too (gpu/image_encoder.py).
 """
 
 import time
@@ -18,24 +19,32 @@ from ..ops.cuda.table import CudaOps, _is_bf16, numba_stream
 from .capture import planned_capture
 
 
-SPLIT_PREFIXES = ("decoder.", "post_quant_conv.")     # the tensors the decoder reads (the VAE's encoder: not)
-
-
 def _float32(tensors, name):
     value = np.asarray(tensors[name])
     wide = from_bf16_bits(value.view(np.uint16)) if _is_bf16(value.dtype) else value
     return np.ascontiguousarray(wide, dtype=np.float32)
 
 
+def weight_form(name, shape):
+    """How the products read the VAE weight `name` of this shape (ops.cuda.conv.split_weight_bits): the
+    downsamplers' 3x3 as their phase form, other k x k convs as taps, linears and 1x1 convs as a matrix."""
+    if len(shape) == 4 and shape[2] > 1:
+        return "down" if ".downsamplers." in name else "taps"
+    return "matrix"
+
+
 class DecoderOps(CudaOps):
     """The CUDA table with every matrix float32 on the device and linear / attention as split products. The
     products' split weights (conv.tap_weights, conv.weight_matrix) are made on the host from the checkpoint's
-    tensors, on a host thread from `split_ahead` on, not from the device weights copied back."""
+    tensors, on a host thread from `split_ahead` on, not from the device weights copied back. `prefixes`:
+    the tensors the graph reads (the decoder's; the VAE encoder's ops name theirs)."""
+
+    prefixes = ("decoder.", "post_quant_conv.")
 
     def __init__(self):
         super().__init__()
         self._sources = {}     # id(device weight) -> (the tensors it came from, its name)
-        self._ahead = {}       # (tensor name, taps) -> the Future of its split (split_ahead)
+        self._ahead = {}       # (id(tensors), tensor name, form) -> the Future of its split (split_ahead)
         self.late_splits = 0   # splits made when asked for, none ahead
         self.split_wait_s = 0.0   # seconds the decodes waited for splits still being made ahead
 
@@ -48,31 +57,31 @@ class DecoderOps(CudaOps):
         return out
 
     def split_ahead(self, tensors):
-        """Split every conv and projection weight the decoder reads (4-D: taps when k > 1; 2-D) on a host thread,
-        in the tensors' order, so the first decode finds them made (its eager pass waits only for one not yet
-        done)."""
+        """Split every conv and projection weight the graph reads (4-D and 2-D under `prefixes`, as weight_form
+        says) on a host thread, in the tensors' order, so the first run finds them made (its eager pass waits
+        only for one not yet done)."""
         from concurrent.futures import ThreadPoolExecutor
-        shapes = {n: np.shape(tensors[n]) for n in tensors if n.startswith(SPLIT_PREFIXES) and n.endswith(".weight")}
+        shapes = {n: np.shape(tensors[n]) for n in tensors if n.startswith(self.prefixes) and n.endswith(".weight")}
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vae-split")
         for name, shape in shapes.items():
             if len(shape) in (2, 4):
-                taps = len(shape) == 4 and shape[2] > 1
-                self._ahead[(name, taps)] = worker.submit(
-                    lambda n=name, t=taps: split_weight_bits(_float32(tensors, n), t))
+                form = weight_form(name, shape)
+                self._ahead[(id(tensors), name, form)] = worker.submit(
+                    lambda n=name, f=form: split_weight_bits(_float32(tensors, n), f))
         worker.shutdown(wait=False)        # the thread ends once the queue is done
 
-    def _host_split_weight(self, w, taps):
+    def _host_split_weight(self, w, form):
         tensors, name = self._sources.get(id(w), (None, None))
         if tensors is None:
-            return super()._host_split_weight(w, taps)
-        made = self._ahead.pop((name, taps), None)
+            return super()._host_split_weight(w, form)
+        made = self._ahead.pop((id(tensors), name, form), None)
         if made is not None:
             start = time.perf_counter()
             out = made.result()
             self.split_wait_s += time.perf_counter() - start
             return out
         self.late_splits += 1
-        return split_weight_bits(_float32(tensors, name), taps)
+        return split_weight_bits(_float32(tensors, name), form)
 
     def linear(self, x, w, b=None, residual=None, narrow=False):
         if residual is not None:
@@ -122,34 +131,40 @@ class CudaDecoder:
             return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
         size = lat.shape[1:]
         if size not in self._captured:
-            self._capture(lat.shape)
-        c = self._captured[size]
-        c.host_latents[:] = lat
-        c.graph.launch(c.stream)
-        c.pixels.copy_to_host(c.host_pixels, stream=c.queue)
-        c.queue.synchronize()
-        return c.host_pixels.copy()
-
-    def _capture(self, shape):
-        """An eager pass first (compiles the kernels, splits the weights, plans the products and the pool's
-        blocks), then the capture: its first node copies the pinned latents in."""
-        device = cuda.device_array(shape, np.float32)
-        device.copy_to_device(np.zeros(shape, np.float32))
-        host = cuda.pinned_array(shape, np.float32)
-
-        def run():
-            device.copy_to_device(host, stream=numba_stream(self.ops.stream))
-            return self._run(device)
-
-        graph, stream, pixels = planned_capture(self.ops, lambda: self._run(device), run)
-        self._captured[shape[1:]] = _Graph(graph, stream, device, host, pixels)
+            self._captured[size] = capture_sized(self.ops, self._run, lat.shape)
+        return self._captured[size].replay(lat)
 
 
-class _Graph:
-    """One latent size's graph, its stream, the latents it reads (pinned host, device) and the pixels it writes."""
+def capture_sized(ops, run, shape):
+    """The Captured graph of run(device input) -> device output for a float32 input of this shape: an eager pass
+    first (compiles the kernels, splits the weights, plans the products and the pool's blocks), then the
+    capture, whose first node copies the pinned input in."""
+    device = cuda.device_array(shape, np.float32)
+    device.copy_to_device(np.zeros(shape, np.float32))
+    host = cuda.pinned_array(shape, np.float32)
 
-    def __init__(self, graph, stream, device_latents, host_latents, pixels):
+    def replayed():
+        device.copy_to_device(host, stream=numba_stream(ops.stream))
+        return run(device)
+
+    graph, stream, out = planned_capture(ops, lambda: run(device), replayed)
+    return Captured(graph, stream, device, host, out)
+
+
+class Captured:
+    """One input size's graph, its stream, the input it reads (pinned host, device) and the output it writes
+    (the decoder's pixels, the encoder's latents), with a pinned host twin of that output."""
+
+    def __init__(self, graph, stream, device_in, host_in, out):
         self.graph, self.stream = graph, stream
-        self.device_latents, self.host_latents, self.pixels = device_latents, host_latents, pixels
+        self.device_in, self.host_in, self.out = device_in, host_in, out
         self.queue = numba_stream(stream)
-        self.host_pixels = cuda.pinned_array(pixels.shape, np.uint8)
+        self.host_out = cuda.pinned_array(out.shape, out.dtype)
+
+    def replay(self, host):
+        """The output of one replay reading `host` (a copy of the pinned twin)."""
+        self.host_in[:] = host
+        self.graph.launch(self.stream)
+        self.out.copy_to_host(self.host_out, stream=self.queue)
+        self.queue.synchronize()
+        return self.host_out.copy()

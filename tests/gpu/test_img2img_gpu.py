@@ -3,8 +3,9 @@
 The GPU gets the CPU's start: the cut sigmas, the seeded noise and the start latents bit for bit. Each step's
 guided velocity is within test_denoiser_tiny's bf16 GATE of the CPU float32 velocity of the GPU's own
 latents_in. Inpainting puts the kept region back exactly as the CPU does (the picture's latents noised to the
-next sigma, the picture's latents themselves at the end), so an all-kept picture decodes on the GPU to the
-CPU's picture within the decoder's pixel gate (test_vae: at most 1 off, in at most 1e-3 of the values).
+next sigma, the picture's latents themselves at the end), so an all-kept picture, its init picture encoded on
+the GPU (test_vae_encoder_gpu's GATE from the CPU's encoding), decodes on the GPU to the CPU's picture within
+the decoder's pixel gate (test_vae: at most 1 off, in at most 1e-3 of the values).
 """
 
 import subprocess
@@ -99,11 +100,19 @@ def test_the_gpu_starts_where_the_cpu_does_and_keeps_the_kept_region(files, mask
 
 
 def test_an_all_kept_picture_decodes_on_the_gpu_to_the_cpus_picture(files):
-    pictures = {}
+    from moss_cli.safetensors_io import load
+    from test_vae_encoder_gpu import GATE, rel_l2
+    pictures, images = {}, {}
     for device in ("cuda", "cpu"):
         out = files / f"kept-{device}.png"
         _run("image_command", "--prompt", "a red fox in snow", *OPTIONS, "--init-image", files / "in.png",
-             "--strength", "0.7", "--mask", files / "black.png", "--device", device, "--picture", out)
+             "--strength", "0.7", "--mask", files / "black.png", "--device", device, "--picture", out,
+             "--keep", files / f"kept-{device}")
         pictures[device] = np.asarray(Image.open(out)).astype(int)
+        images[device] = load(files / f"kept-{device}" / "image.lat")
+    assert images["cuda"][1]["moss.device"] == "cuda" and images["cpu"][1]["moss.device"] == "cpu"
+    err = rel_l2(images["cuda"][0]["latents"], images["cpu"][0]["latents"])
     diff = np.abs(pictures["cuda"] - pictures["cpu"])
+    print(f"init picture's latents GPU vs CPU: relative L2 {err:.3g}; pixels off by one {np.mean(diff > 0):.2e}")
+    assert err <= GATE
     assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-3

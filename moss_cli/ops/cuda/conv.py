@@ -1,6 +1,6 @@
 """The CUDA table's image ops (the numpy table's ops.numpy.conv twins), float32-accurate: convolutions and the
 products of the decoder's attention as split fp16 products on tensor cores (cuda_kernels.conv), group norm
-in float32, the latents' unpacking and the pixels' rounding on the device.
+in float32, the latents' unpacking and packing and the pixels' rounding on the device.
 
 Images are [C, H, W] float32 device arrays, as in the numpy table, but for two views only conv2d reads: the
 nearest-2x upsampling (Upsampled) and silu(group_norm(x)) (Normalized), made where the conv reads them and
@@ -11,6 +11,8 @@ weight is prepared once per weight, from its first call (run a graph's ops eager
 them). The split's scale comes from a device peak: max |x| (conv.absmax), or for silu(group_norm(x)) the
 bound its statistics give (no pass over the values). `finish` then writes the chunk's product into the
 channels of the output with the scales divided out and the bias (and a residual, the ResNet block's sum) added.
+The VAE encoder's stride-2 downsampling conv is the 2x2 conv over its input's 2x2 phases, read through by the
+split (conv.split_image down) with the weight rearranged once (conv.down_weight).
 """
 
 import weakref
@@ -53,31 +55,35 @@ def _source(x):
     return (x.x if up or norm else x), up, norm, peak
 
 
-def split_weight_bits(host, taps):
-    """(bits, peak) of a float32 host weight as the products read it: conv.tap_weights for a k x k conv's tap
-    products (taps), else conv.weight_matrix."""
-    return (conv.tap_weights if taps else conv.weight_matrix)(host)
+def split_weight_bits(host, form):
+    """(bits, peak) of a float32 host weight as the products read it: "matrix" conv.weight_matrix (a linear's,
+    a 1x1 conv's), "taps" conv.tap_weights (a k x k conv's tap products), "down" the tap products of a
+    stride-2 3x3 conv's 2x2 phase form (conv.down_weight)."""
+    if form == "down":
+        return conv.tap_weights(conv.down_weight(host))
+    return (conv.tap_weights if form == "taps" else conv.weight_matrix)(host)
 
 
 class ConvCudaOps:
     """Mixed into CudaOps: needs its `new`, `stream`, `transpose` and `_params`."""
 
-    def _split_weight(self, w, taps=False):
+    def _split_weight(self, w, form="matrix"):
         """(fp16 bits [product_rows(O), split_width(K, True)], peak [1]) of a float32 device weight (conv
-        [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight; taps: the
-        tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights)."""
-        key = ("tap_weights" if taps else "weight_matrix", id(w))
+        [O, C, k, k] or linear [O, C]): conv.weight_matrix, on the device, made once per weight and form;
+        "taps": the tap products' [k k, product_rows(O), 3 tap_part(C)] (conv.tap_weights); "down": those of
+        the downsampling's phase form, [4, product_rows(O), 3 tap_part(4 C)]."""
+        key = (form, id(w))
         cached = self._params.get(key)
         if cached is None or cached[0]() is not w:
-            bits, peak = self._host_split_weight(w, taps)
+            bits, peak = self._host_split_weight(w, form)
             cached = self._params[key] = (weakref.ref(w), cuda.to_device(bits),
                                           cuda.to_device(np.array([peak], np.float32)))
         return cached[1], cached[2]
 
-    def _host_split_weight(self, w, taps):
+    def _host_split_weight(self, w, form):
         """split_weight_bits of device weight w, from its copy to the host (DecoderOps splits its weights from
         their host tensors instead)."""
-        return split_weight_bits(w.copy_to_host(), taps)
+        return split_weight_bits(w.copy_to_host(), form)
 
     def _peak(self, x):
         peak = self.new((1,))
@@ -96,7 +102,7 @@ class ConvCudaOps:
             peak = self._peak(src)
         if taps > 1:
             return self._tap_conv(src, up, norm, peak, w, b, residual, (o, h, width))
-        weight, peak_w = self._split_weight(w)
+        weight, peak_w = self._split_weight(w, "matrix")
         out = self.new((o, h, width))
         rows = min(h, conv.chunk_rows(c, width))
         cols = self.new((rows * width, conv.split_width(c)), np.uint16)
@@ -111,16 +117,19 @@ class ConvCudaOps:
                         stream=self.stream)
         return out
 
-    def _tap_conv(self, src, up, norm, peak, w, b, residual, shape):
+    def _tap_conv(self, src, up, norm, peak, w, b, residual, shape, down=False):
         """conv2d of a k x k kernel as tap products over chunks of output rows: the chunk's split image in the
         taps' layout (conv.split_image triple, rows of W + 2 pixels, the padding's zeros in it), one product a
         tap into d (conv.tap_product), then finish from the grid's rows. A chunk's image and d fit
-        conv.TAP_BYTES, so the taps after the first find both in L2."""
+        conv.TAP_BYTES, so the taps after the first find both in L2. down: the stride-2 3x3 conv of
+        downsample_conv, as the 2x2 conv over src's phases (its image rows from r0 on, its taps from one pixel
+        on: zeros only below and to the right)."""
         o, h, width = shape
-        taps, span = w.shape[2], width + 2
-        weight, peak_w = self._split_weight(w, taps=True)
+        span = width + 2
+        weight, peak_w = self._split_weight(w, "down" if down else "taps")
+        taps = 2 if down else w.shape[2]
         out = self.new(shape)
-        rows = min(h, conv.tap_rows(src.shape[0], o, width))
+        rows = min(h, conv.tap_rows((4 if down else 1) * src.shape[0], o, width))
         image = self.new((conv.image_rows(rows, taps) * span, weight.shape[2]), np.uint16)
         d = self.new((rows * span, weight.shape[1]))
         flat = out.reshape(o, h * width)
@@ -128,12 +137,23 @@ class ConvCudaOps:
         for r0 in range(0, h, rows):
             n = min(rows, h - r0)
             m = n * span - 2                        # the last row's two columns past the image are not computed
-            conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 - taps // 2, up, norm,
-                             stream=self.stream, triple=True)
-            conv.tap_product(image, weight, d[:m], span, stream=self.stream)
+            conv.split_image(src, peak, image[:conv.image_rows(n, taps) * span], r0 if down else r0 - taps // 2,
+                             up, norm, stream=self.stream, triple=True, down=down)
+            conv.tap_product(image, weight, d[:m], span, stream=self.stream, origin=int(down))
             conv.finish(columns(d[:m], 0, o), peak, peak_w, b, flat, r0 * width, channels=True, residual=res,
                         stream=self.stream, span=span)
         return out
+
+    def downsample_conv(self, x, w, b):
+        """diffusers' Downsample2D with padding 0 (numpy_conv's): x [C, H, W] (H, W even) padded by a zero row
+        below and a zero column to the right, a 3x3 stride-2 conv w [O, C, 3, 3] + b -> [O, H/2, W/2]; as
+        tap products over x's 2x2 phases read through (conv.split_image down, conv.down_weight)."""
+        c, h, width = x.shape
+        if tuple(w.shape[1:]) != (c, 3, 3) or h % 2 or width % 2:
+            raise ValueError(f"downsample_conv takes [C, H, W] of even H, W and a [O, C, 3, 3] weight, not "
+                             f"{x.shape} and {w.shape}")
+        return self._tap_conv(x, False, None, self._peak(x), w, b, None, (w.shape[0], h // 2, width // 2),
+                              down=True)
 
     def group_norm(self, x, groups, w, b, eps):
         """torch.nn.GroupNorm over x [C, H, W] (consecutive channel groups, biased variance, affine w, b)."""
@@ -158,6 +178,15 @@ class ConvCudaOps:
         out = self.new((c4 // 4, 2 * h, 2 * w))
         conv.unpack_latents(latents, std.reshape(c4) if std.ndim == 1 else std[:, 0, 0],
                             mean.reshape(c4) if mean.ndim == 1 else mean[:, 0, 0], out, stream=self.stream)
+        return out
+
+    def pack_latents(self, z, std, mean):
+        """[C, 2h, 2w] -> packed latents [4C, h, w]: 2x2 patchify, BN normalisation ((z - mean) / std, as the
+        FLUX.2 pipelines' _encode_vae_image): unpack_latents' inverse."""
+        c, h2, w2 = z.shape
+        out = self.new((4 * c, h2 // 2, w2 // 2))
+        conv.pack_latents(z, std.reshape(4 * c) if std.ndim == 1 else std[:, 0, 0],
+                          mean.reshape(4 * c) if mean.ndim == 1 else mean[:, 0, 0], out, stream=self.stream)
         return out
 
     def to_pixels(self, image):
@@ -189,7 +218,7 @@ class ConvCudaOps:
     def split_linear(self, x, w, b=None):
         """x @ w.T (+ b) for float32 x [.., in] and a float32 weight [out, in], as split products."""
         a, peak = self._split(x)
-        weight, peak_w = self._split_weight(w)
+        weight, peak_w = self._split_weight(w, "matrix")
         out = self._product(a, peak, weight, peak_w, w.shape[0], b)
         return out.reshape(tuple(x.shape)[:x.ndim - 1] + (w.shape[0],))
 
