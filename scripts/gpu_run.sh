@@ -22,7 +22,8 @@
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
 # three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
-# call_cost.json), tables (BENCHMARKS.md's
+# call_cost.json), lora (a random rank-64 adapter on every DiT linear of that folder: the GPU merge's time, steps with
+# and without it, moss-server's switches between it and the base: scripts/gpu_lora.py $LORA_ARGS), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -103,7 +104,7 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget|kernels|cost) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels|cost|lora) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
@@ -130,6 +131,8 @@ for step in "$@"; do
           elif [ "$step" = cost ]; then
             name=${COST_NAME:-call_cost}     # another name keeps a second run (e.g. without prebuilt kernels) beside it
             $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
+          elif [ "$step" = lora ]; then
+            $limit python3 scripts/gpu_lora.py "$model" --out "$OUT/lora.json" ${LORA_ARGS:-} 2>&1 | tee "$OUT/lora.txt"
           elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then
