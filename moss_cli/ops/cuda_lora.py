@@ -50,7 +50,8 @@ def apply(ops, tensors, names, component, merged, adapters):
             target = cuda.to_device(stored_form(base))
         elif name in old:
             _send(stored_form(base), target)
-        work.merge(target, used)
+        if used:
+            work.merge(target, used)
         if arena is not None:
             target.copy_to_host(arena)
     cuda.synchronize()
