@@ -13,12 +13,12 @@ import zlib
 
 import numpy as np
 
-from . import (conv, dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, mma, norms,
-               rope_attention, sdpa)
+from . import (conv, dit, embedding, elementwise, flash, gdn, gdn_chunk, gdn_inputs, gemm, layout, lora, mma,
+               norms, rope_attention, sdpa)
 from .core import SIMULATED, gate
 
 MODULES = (elementwise, layout, embedding, norms, rope_attention, flash, gdn, gdn_inputs, gdn_chunk, gemm,
-           mma, dit, sdpa, conv)
+           mma, dit, sdpa, conv, lora)
 
 # Each case's bound is what its arithmetic can do at worst; where the error measured far below it (a sum's
 # rounding errors cancel, a bound over every term's magnitude), the gate is MARGIN times the worst |err| / bound

@@ -17,7 +17,7 @@ from numba import cuda, float32
 
 from .core import EPS16, Case, from_bf16_bits, gamma, jit, to_bf16_bits
 
-R_16BF, R_32F = 14, 0          # cudaDataType
+R_16BF, R_16F, R_32F = 14, 2, 0  # cudaDataType
 COMPUTE_32F = 68               # cublasComputeType_t
 COMPUTE_32F_FAST_TF32 = 77     # float32 data, products on tensor cores with TF32 inputs
 EPS_TF32 = 2.0 ** -10          # TF32 keeps 10 mantissa bits: the input conversion's relative error, truncating
@@ -416,6 +416,19 @@ class Blas:
             pointer(a) + 4 * a_off, R_32F, lda, stride_a, pointer(b) + 4 * b_off, R_32F, ldb, stride_b,
             beta_buf.ctypes.data, pointer(c) + 4 * c_off, R_32F, ldc, stride_c, batch,
             COMPUTE_32F_FAST_TF32 if tf32 else COMPUTE_32F, -1)
+
+    # --- cuBLAS: one float32 product of low-rank factors (LoRA deltas) -------------------------
+    def product_f32(self, a, b, out, alpha=1.0, stream=0):
+        """Row-major out[M, N] = alpha a[M, K] @ b[K, N]: float32 out and accumulation (no TF32), a and b of one
+        type (bf16 bits as uint16, float16 or float32), all contiguous."""
+        m, k = a.shape
+        n = b.shape[1]
+        kind = {"uint16": R_16BF, "float16": R_16F, "float32": R_32F}[np.dtype(a.dtype).name]
+        self.cb.set_stream(self.cb_handle, stream_handle(stream))
+        alpha_buf = np.array([alpha], np.float32)
+        # column-major: out^T [N, M] = b^T [N, K] a^T [K, M], each operand as it lies
+        self.cb.gemm_ex(self.cb_handle, OP_N, OP_N, n, m, k, alpha_buf.ctypes.data, pointer(b), kind, n,
+                        pointer(a), kind, k, self._zero.ctypes.data, pointer(out), R_32F, n, COMPUTE_32F, -1)
 
 
 def _pick_key(plan_key):

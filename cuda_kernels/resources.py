@@ -25,8 +25,8 @@ ARCH = (9, 0)
 
 def _signatures():
     from numba.core import types as t
-    from . import (conv, dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, mma, norms,
-                   rope_attention)
+    from . import (conv, dit, elementwise, embedding, flash, gdn, gdn_chunk, gdn_inputs, gdn_setup, layout, lora, mma,
+                   norms, rope_attention)
     from .core import row_team
 
     def a(dtype, ndim, layout="C"):
@@ -113,6 +113,7 @@ def _signatures():
         "unpack_latents": (conv._unpack[False], (f3, f1, f1, f3)),
         "pack_latents": (conv._pack[False], (f3, f1, f1, f3)),
         "to_pixels": (conv._pixels[False], (f3, a(t.uint8, 3))),
+        "lora_merge": (lora._merge[False], (a(t.uint16, 1), f1, f1, t.boolean, t.boolean)),
     }
 
 

@@ -61,23 +61,39 @@ class _Weights:
 
 
 class Checkpoint:
-    """A validated MOSS-Image folder. Components are loaded (memory-mapped) on first request, with the
-    adapters' deltas merged into the weights they touch (lora.merge); `fingerprint` names the merged model
+    """A validated MOSS-Image folder. Components are loaded (memory-mapped) on first request; `component` has the
+    adapters' deltas merged into the weights they touch (lora.merge, on the host), `base_component` is the
+    folder's own (what the GPU uploads, then merges there). `fingerprint` names the merged model
     (lora.fingerprint), `base_fingerprint` the folder's own."""
 
-    def __init__(self, root, model_index, configs, weights, fingerprint, adapters=()):
+    def __init__(self, root, model_index, configs, weights, fingerprint, adapters=(), base=None):
         self.root = root
         self.model_index = model_index
         self.base_fingerprint = fingerprint
         self.adapters = tuple(adapters)
         self._configs = configs
         self._weights = weights
+        self._base = {} if base is None else base     # name -> base Component, shared with with_adapters' views
         self._loaded = {}
         if self.adapters:
             from . import lora
             self.fingerprint = lora.fingerprint(fingerprint, self.adapters)
         else:
             self.fingerprint = fingerprint
+
+    def with_adapters(self, adapters):
+        """This folder with ADAPTERS (lora.Adapter, in order) in place of its own; one at scale 0 changes no
+        weight and is left out. The base components are shared: loaded once for every view."""
+        return Checkpoint(self.root, self.model_index, self._configs, self._weights, self.base_fingerprint,
+                          [a for a in adapters if a.scale != 0], self._base)
+
+    def read_adapters(self, lora):
+        """The lora.Adapter of each (adapter file, scale) pair, read and checked against the weights' shapes (all
+        of them, scale 0 too). Raises LoraError in one line."""
+        from . import lora as lora_io
+        shapes = self.shapes()
+        stems = lora_io.index(shapes)
+        return [lora_io.read(file, scale, shapes, stems) for file, scale in lora]
 
     def shapes(self):
         """{component: {tensor name: shape}} from the safetensors headers (text-encoder prefix stripped)."""
@@ -89,9 +105,21 @@ class Checkpoint:
         return self._configs[name]
 
     def component(self, name):
+        """The component with the adapters merged into its weights on the host (the base one where none
+        touches it)."""
+        if not any(name in a.components for a in self.adapters):
+            return self.base_component(name)
         if name not in self._loaded:
-            self._loaded[name] = self._load(name)
+            from . import lora
+            base = self.base_component(name)
+            self._loaded[name] = Component(name, base.path, base.config, lora.merge(name, base.tensors, self.adapters))
         return self._loaded[name]
+
+    def base_component(self, name):
+        """The component as the folder holds it, no adapter merged (one tensors mapping for every view)."""
+        if name not in self._base:
+            self._base[name] = self._load(name)
+        return self._base[name]
 
     def _load(self, name):
         folder = self.root / name
@@ -109,9 +137,6 @@ class Checkpoint:
                 if array is None or array.shape != shape:
                     raise CheckpointError(f"{folder / file}: changed since the checkpoint was opened ({stored})")
                 tensors[key] = array
-            if any(name in a.components for a in self.adapters):
-                from . import lora
-                tensors = lora.merge(name, tensors, self.adapters)
         return Component(name, folder, self.config(name), tensors)
 
     def __repr__(self):
@@ -165,12 +190,7 @@ def open_checkpoint(path=None, *, expected=expected_tensors, lora=()):
     checkpoint = Checkpoint(root, model_index, configs, weights, fingerprint(root, weights))
     if not lora:
         return checkpoint
-    from . import lora as lora_io
-    shapes = checkpoint.shapes()
-    stems = lora_io.index(shapes)
-    adapters = [lora_io.read(file, scale, shapes, stems) for file, scale in lora]
-    return Checkpoint(root, model_index, configs, weights, checkpoint.base_fingerprint,
-                      [a for a in adapters if a.scale != 0])
+    return checkpoint.with_adapters(checkpoint.read_adapters(lora))
 
 
 def fingerprint(root, weights):

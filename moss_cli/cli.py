@@ -86,7 +86,7 @@ def _warn_cpu_dit(checkpoint, device, chosen, progress):
     """--device auto that chose the CPU for a real-size DiT says why the GPU could not take it (hours on the CPU)."""
     from .device import gpu_status
     from .memory.plan import component_weights
-    if device != "auto" or chosen != "cpu" or component_weights(checkpoint.component("transformer")).total < 1e9:
+    if device != "auto" or chosen != "cpu" or component_weights(checkpoint.base_component("transformer")).total < 1e9:
         return
     progress.warn(f"the DiT runs on the CPU in float32 (hours at this size): {gpu_status()[1]}")
 
@@ -458,7 +458,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     for stage in ("denoise", "decode"):
         stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu" if device == "cpu" else "cuda")
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
-    # (merged first when --lora names adapters: the preload sends the component's merged tensors)
+    # (the base weights: --lora adapters are merged on the GPU once they are there)
     model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size)
     for stage in ("denoise", "decode"):
         if device != "cpu" and chosen[stage] == "cpu":

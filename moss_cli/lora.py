@@ -18,11 +18,12 @@ two export styles are `lora_unet_layers_0_proj_q` and `diffusion_model.layers.0.
 `lora_te_` / `lora_te1_` with underscores. Only 2-D `.weight` tensors are targets (the token embedding
 table, read row by row, is not).
 
-Merge, for a weight W stored as bf16: W' = bf16(W + sum_i scale_i * f_i * delta_i), each delta in float32,
-the sum in float32 and one rounding to the stored dtype, as peft merges one adapter (its `weight += delta`
-with a float32 delta). A weight stored as float32 stays float32 (no rounding). The merged arrays replace the
-base ones in the component's tensor dict, so the CPU graph, the GPU upload and the early GPU preload all read
-the same merged weight.
+Merge, for a weight W stored as bf16: W' = bf16(W + sum_i scale_i * f_i * delta_i), each delta in float32
+(for a weight's rows of the delta: up[rows] @ down), scaled by float32(scale_i * f_i), the sum in float32 in the
+adapters' order and one rounding to the stored dtype, as peft merges one adapter (its `weight += delta` with a
+float32 delta). A weight stored as float32 stays float32 (no rounding). On the CPU the merged arrays replace the
+base ones in the component's tensor dict (`merge`); on the GPU the base weights are uploaded and merged there by
+the same statement (gpu/lora_merge.py), the product's float32 sum in cuBLAS's order.
 """
 
 import hashlib
@@ -45,6 +46,7 @@ TEXT_UNDERSCORE_ROOTS = ("lora_te_", "lora_te1_")
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
 HOST_ONLY = ("embed_tokens.weight",)     # read as rows, not as a matrix: no LoRA merge
 FUSED_QKV = re.compile(r"(.*\.proj)\.q\.weight")
+NAME = re.compile(r"[A-Za-z0-9_.-]+")     # an adapter's name on moss-server
 
 # suffix -> (format, part); longest first so `lokr_w1_a` is not read as `lokr_w1`
 SUFFIXES = {
@@ -88,6 +90,17 @@ class Layer:
             return p["up"] @ p["down"]
         return np.kron(_lokr_side(p, "w1"), _lokr_side(p, "w2"))
 
+    def rows(self, i):
+        """The rows of the delta that target name i covers (a slice)."""
+        start = sum(self.target.rows[:i])
+        return slice(start, start + self.target.rows[i])
+
+    def part(self, i):
+        """float32 [rows of name i, columns]: that name's rows of the delta (up[rows] @ down for a LoRA), unscaled."""
+        if self.kind == "lora":
+            return np.asarray(self.parts["up"][self.rows(i)], np.float32) @ np.asarray(self.parts["down"], np.float32)
+        return self.delta()[self.rows(i)]
+
 
 @dataclass(frozen=True, eq=False)
 class Adapter:
@@ -120,6 +133,17 @@ def parse_spec(text):
             raise UsageError(f"--lora {text}: the scale must be a finite number")
         return Path(path), scale
     return Path(text), 1.0
+
+
+def parse_named(text):
+    """(name, path, scale) of a moss-server --lora value [NAME=]FILE[:SCALE]: NAME defaults to the file's stem (a
+    folder's name for a peft or diffusers folder). A text that names an existing file is taken whole."""
+    text = str(text)
+    name, sep, rest = text.partition("=")
+    if not sep or not NAME.fullmatch(name) or Path(text).exists():
+        name, rest = "", text
+    path, scale = parse_spec(rest)
+    return name or (path.name if path.is_dir() else path.stem), path, scale
 
 
 def index(shapes):
@@ -210,34 +234,49 @@ def read(path, scale, shapes, stems=None):
     return Adapter(path, float(scale), _sha256(path), "+".join(sorted(formats)), tuple(layers))
 
 
-def merge(component, tensors, adapters):
-    """TENSORS (the component's {name: array}) with every weight the adapters touch merged (see the module
-    docstring); the others are the same arrays. A new dict; TENSORS is not changed."""
-    touched = {}
+def uses(adapters, component):
+    """{tensor name: [(scale, layer, i), ...]}: each weight of COMPONENT the adapters touch, with every layer that
+    touches it (i: the name's place in the layer's target), in the adapters' order (the order of the sum)."""
+    out = {}
     for adapter in adapters:
         for layer in adapter.layers:
             if layer.target.component == component:
                 for i, name in enumerate(layer.target.names):
-                    touched.setdefault(name, []).append((adapter.scale, layer, i))
-    out = dict(tensors)
-    deltas = {}       # a fused layer's delta, made once for its three weights
-    for name, uses in touched.items():
-        total = None
-        for scale, layer, i in uses:
-            key = (id(layer), scale)
-            if key not in deltas:
-                deltas[key] = layer.delta()
-                deltas[key] *= np.float32(scale * layer.factor)
-            start = sum(layer.target.rows[:i])
-            part = deltas[key][start:start + layer.target.rows[i]]
-            total = part if total is None else total + part
-            if i == len(layer.target.names) - 1:
-                del deltas[key]
-        base = tensors[name]
-        merged = np.array(base, dtype=np.float32)
-        merged += total
-        out[name] = merged.astype(base.dtype) if base.dtype != np.float32 else merged
+                    out.setdefault(name, []).append((adapter.scale, layer, i))
     return out
+
+
+def scaled(scale, layer, i):
+    """float32 scale * factor * delta for target name i: the part rounded, times float32(scale * factor) rounded."""
+    part = layer.part(i)
+    part *= np.float32(scale * layer.factor)
+    return part
+
+
+def merge_one(base, used):
+    """One weight BASE with its uses (an entry of `uses`) merged: bf16 or float32, as BASE is stored."""
+    total = None
+    for scale, layer, i in used:
+        part = scaled(scale, layer, i)
+        total = part if total is None else total + part
+    merged = np.array(base, dtype=np.float32)
+    merged += total
+    return merged.astype(base.dtype) if base.dtype != np.float32 else merged
+
+
+def merge(component, tensors, adapters):
+    """TENSORS (the component's {name: array}) with every weight the adapters touch merged (see the module
+    docstring); the others are the same arrays. A new dict; TENSORS is not changed."""
+    out = dict(tensors)
+    for name, used in uses(adapters, component).items():
+        out[name] = merge_one(tensors[name], used)
+    return out
+
+
+def merged_set(adapters, component=None):
+    """What decides COMPONENT's merged weights (None: every component's): each adapter touching it (its layers
+    object) with its scale, in order; equal sets merge to equal weights."""
+    return tuple((id(a.layers), a.scale) for a in adapters if component is None or component in a.components)
 
 
 def fingerprint(base, adapters):

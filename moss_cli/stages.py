@@ -220,7 +220,7 @@ def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT
     bytes, numba's by default; False with no GPU but a given budget (a plan printed on any machine); `held`: as
     memory.plan.make takes it."""
     from .memory import plan as mp
-    weights = {PLAN_COMPONENTS[s]: mp.component_weights(checkpoint.component(PLAN_COMPONENTS[s])) for s in stages}
+    weights = {PLAN_COMPONENTS[s]: mp.component_weights(checkpoint.base_component(PLAN_COMPONENTS[s])) for s in stages}
     free = None if memory is False else (memory or _gpu_memory)()[0]
     budget, source = mp.budget_bytes(gpu_memory, free)
     return mp.make(weights, stages, budget, source, size[0], size[1], held=held)
@@ -274,7 +274,7 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planne
         stages = [s for s in stages if s == "encode"]
     handed = 0
     for stage in stages:
-        comp = checkpoint.component(GPU_COMPONENTS[stage])
+        comp = checkpoint.base_component(GPU_COMPONENTS[stage])      # adapters are merged on the GPU
         if plan is None:
             _require_gpu_room(comp, 2, drv.memory_info)
         handed += cuda_preload.start(comp, streamed=plan.layers(comp.name) if plan else ())
@@ -342,26 +342,70 @@ class Model:
     @cached_property
     def encoder(self):
         from . import encoder
-        comp = self.checkpoint.component("text_encoder")
         self.progress.note(f"loading text encoder ({self.device})")
         if self.device == "cuda":
+            comp = self.checkpoint.base_component("text_encoder")
             streamed = self._streamed(comp)
             from .gpu.encoder import cuda_encoder
-            return cuda_encoder(comp, streamed=streamed)
+            enc = cuda_encoder(comp, streamed=streamed)
+            self._merge(enc, comp, ())
+            return enc
+        comp = self.checkpoint.component("text_encoder")
         return encoder.Qwen35Encoder(self.ops, comp.tensors, encoder.text_config(comp.config))
 
     @cached_property
     def transformer(self):
         from .transformer import MossTransformer
-        comp = self.checkpoint.component("transformer")
         self.progress.note(f"loading transformer ({self.device})")
         if self.device == "cuda":
+            comp = self.checkpoint.base_component("transformer")
             streamed = self._streamed(comp)
             from .gpu.denoiser import CudaDenoiser
             dit = CudaDenoiser(comp.tensors, comp.config, streamed=streamed)
             dit.upload()
+            self._merge(dit, comp, ())
             return dit
+        comp = self.checkpoint.component("transformer")
         return MossTransformer(self.ops, comp.tensors, comp.config)
+
+    def _merge(self, runner, comp, merged):
+        """The checkpoint's adapters merged into a GPU runner's weights (gpu/lora_merge.py), after those of MERGED (the
+        adapters merged in it now) are put back to the base; nothing when the two sets merge alike."""
+        from . import lora
+        if lora.merged_set(merged, comp.name) == lora.merged_set(self.checkpoint.adapters, comp.name):
+            return
+        from .gpu import lora_merge
+        count, seconds = lora_merge.apply(runner.ops, comp.tensors, runner.model.weight_names(), comp.name, merged,
+                                         self.checkpoint.adapters)
+        self.progress.note(f"{comp.name}: LoRA merged into {count} weights on the GPU in {seconds:.2f} s")
+
+    def use(self, checkpoint):
+        """Go on with CHECKPOINT, the same folder with another adapter set (Checkpoint.with_adapters): on the GPU the
+        loaded encoder and DiT are merged again in place (back to the base, then the new set; the DiT's kept refined
+        texts dropped), on the CPU they are made again from the merged weights. Returns the components changed."""
+        from . import lora
+        old, self.checkpoint = self.checkpoint, checkpoint
+        changed = []
+        for name, attr in (("text_encoder", "encoder"), ("transformer", "transformer")):
+            if lora.merged_set(old.adapters, name) == lora.merged_set(checkpoint.adapters, name):
+                continue
+            changed.append(name)
+            runner = self.__dict__.get(attr)
+            if runner is None:
+                continue
+            if self.device == "cuda":
+                try:
+                    self._merge(runner, checkpoint.base_component(name), old.adapters)
+                except BaseException:            # a weight half merged: the runner is made again when next used
+                    from .gpu.capture import release
+                    release(self.__dict__.pop(attr))
+                    raise
+                if attr == "transformer":
+                    runner.forget_texts()
+            else:
+                del self.__dict__[attr]
+                self.ops = numpy_ops(np.float32)     # its weight cache is keyed by the tensors mappings' ids
+        return changed
 
     def _streamed(self, comp):
         """The layers of comp the plan streams (no plan: the room checked, everything resident)."""

@@ -26,7 +26,8 @@
 # call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32,
 # speed and accuracy against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
 # tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
-# .wheels/diffusers), tables (BENCHMARKS.md's
+# .wheels/diffusers), lora (a random rank-64 adapter on every DiT linear of that folder: the GPU merge's time, steps with
+# and without it, moss-server's switches between it and the base: scripts/gpu_lora.py $LORA_ARGS), tables (BENCHMARKS.md's
 # tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
@@ -117,7 +118,7 @@ for step in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .wheels/fla/*.whl &&
           PYTHONPATH=/tmp/site-fla:$PYTHONPATH $limit python3 scripts/gpu_encoder_baseline.py \
             --out "$OUT/encoder_baseline_fla.json" 2>&1 | tee -a "$OUT/baseline.txt" ;;
-    load|picture|image|budget|kernels|cost|server) model=${LOAD_MODEL:-/tmp/moss-real}
+    load|picture|image|budget|kernels|cost|server|lora) model=${LOAD_MODEL:-/tmp/moss-real}
           if [ ! -f "$model/model_index.json" ]; then
             rm -rf "$(dirname "$model")/.$(basename "$model")-"*   # a killed writer's staging folder
             $limit python3 scripts/make_real_checkpoint.py "$model" --threads 16 2>&1 | tee "$OUT/make_real.txt"
@@ -146,6 +147,8 @@ for step in "$@"; do
             $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
           elif [ "$step" = server ]; then     # moss-server's requests, one client and four: scripts/server_bench.py
             $limit python3 scripts/server_bench.py --model "$model" --device cuda --out "$OUT/server.json" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/server.txt"
+          elif [ "$step" = lora ]; then
+            $limit python3 scripts/gpu_lora.py "$model" --out "$OUT/lora.json" ${LORA_ARGS:-} 2>&1 | tee "$OUT/lora.txt"
           elif [ "$step" = budget ]; then     # smaller cards emulated: a second process holds the rest
             $limit python3 scripts/gpu_budget.py "$model" --out "$OUT/budget.json" ${BUDGET_ARGS:-} 2>&1 | tee "$OUT/budget.txt"
           elif [ "$step" = load ]; then

@@ -594,29 +594,19 @@ def test_bad_adapter_is_one_line_and_exit_1(base, tmp_path, case, words):
     assert not (tmp_path / "p.png").exists()
 
 
-def test_the_gpu_preload_sends_the_merged_weights(peft_dit):
-    """moss-image hands the transformer's weights to the upload lanes right after opening the checkpoint
-    (stages.preload_gpu_weights): with --lora those are the merged ones, bit for bit peft's. Run through the lanes
-    with the fake driver (host memory as the device)."""
-    pytest.importorskip("numba", reason="numba is not installed")
-    from fake_driver import FakeDriver
-    from moss_cli.memory import preload as cuda_preload
-    from moss_cli.memory.lanes import LaneUploader
+def test_the_gpu_takes_the_base_weights_and_the_memory_plan_merges_nothing(base, peft_dit):
+    """With --lora the GPU's weights start as the folder's own: stages.preload_gpu_weights and the GPU components
+    read base_component, and gpu/lora_merge.py merges them on the device (tests/test_lora_gpu_sim.py). The memory
+    plan reads shapes only, so no host merge runs before the GPU's; every view of the folder shares one base."""
+    from moss_cli import stages
     file, theirs = peft_dit
-    comp = open_checkpoint(lora=[(file, 1.0)]).component("transformer")
-    up = LaneUploader(lanes=2, slots=2, slot_bytes=1 << 14, driver=FakeDriver())
-    cuda_preload.start(comp, uploader=up)
-    up.finish()
-    sent = {}
-    for name in cuda_preload.weight_names(comp):
-        out, queued = cuda_preload.take(comp.tensors, name)
-        assert queued.done()
-        rows = 0
-        for part in name if isinstance(name, tuple) else (name,):
-            shape = np.shape(comp.tensors[part])
-            sent[part] = np.asarray(out).reshape(-1, *shape[1:])[rows:rows + shape[0]] if len(shape) == 2 else out
-            rows += shape[0] if len(shape) == 2 else 0
-    cuda_preload.discard(uploader=up)
-    up.close()
-    assert set(theirs) <= set(sent)
-    assert all(np.array_equal(np.asarray(sent[n]).view(np.uint16), theirs[n].view(np.uint16)) for n in theirs)
+    ckpt = open_checkpoint(lora=[(file, 1.0)])
+    plan = stages.memory_plan(ckpt, ("encode", "denoise", "decode"), gpu_memory=80, memory=False)
+    assert plan.resident and not ckpt._loaded
+    held = ckpt.base_component("transformer").tensors
+    w = base.component("transformer").tensors
+    assert all(np.array_equal(np.asarray(held[k]).view(np.uint8), np.asarray(w[k]).view(np.uint8)) for k in w)
+    merged = ckpt.component("transformer").tensors
+    assert all(np.array_equal(np.asarray(merged[n]).view(np.uint16), theirs[n].view(np.uint16)) for n in theirs)
+    assert ckpt.with_adapters(()).base_component("transformer").tensors is held
+    assert ckpt.with_adapters(()).fingerprint == base.fingerprint

@@ -59,6 +59,10 @@ class CudaDenoiser:
         """The text refiner on one prompt's rows (eager), once per distinct rows (RefinedTexts)."""
         return self.texts(rows)
 
+    def forget_texts(self):
+        """Drop the kept refined texts (the refiner's weights changed: moss-server's adapter switch)."""
+        self.texts = RefinedTexts(self.model.prepare_text, own=_owned)
+
     # --- the step graph --------------------------------------------------------------------
     def _step(self, size, x, step, cond, uncond, skip, cfg, velocity):
         """The ops of one step on latents x [C, h w] (device, updated in place) of size (h, w); `step` the

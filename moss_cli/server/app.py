@@ -37,6 +37,15 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+class LoraChoice(BaseModel):
+    """One adapter of a request's `lora` list: a name given at start (--lora NAME=FILE), its scale (default: the
+    one given at start)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    scale: Optional[float] = None
+
+
 class Generation(BaseModel):
     """POST /v1/images/generations: OpenAI's fields, SGLang's and vLLM-Omni's, and ours (shift, skip window)."""
 
@@ -55,6 +64,7 @@ class Generation(BaseModel):
     uncond_skip_layers: Union[str, list[int]] = "22"
     skip_start: float = stages.DEFAULT_SKIP_START
     skip_stop: float = stages.DEFAULT_SKIP_STOP
+    lora: Optional[list[LoraChoice]] = None
 
 
 class Native(BaseModel):
@@ -73,16 +83,18 @@ class Native(BaseModel):
     skip_start: float = stages.DEFAULT_SKIP_START
     skip_stop: float = stages.DEFAULT_SKIP_STOP
     noise: Literal["avx2", "generic"] = "avx2"
+    lora: Optional[list[LoraChoice]] = None
 
 
 # the request field that each of SamplingOptions.check's options comes from
 OPENAI_FIELDS = {"--width": "size", "--height": "size", "--steps": "num_inference_steps",
                  "--guidance": "guidance_scale", "--shift": "shift", "--seed": "seed", "--skip-start": "skip_start",
                  "--skip-stop": "skip_stop", "--uncond-skip-layers": "uncond_skip_layers", "n": "n",
-                 "prompt": "prompt", "negative": "negative_prompt"}
+                 "prompt": "prompt", "negative": "negative_prompt", "lora": "lora"}
 NATIVE_FIELDS = {"--width": "width", "--height": "height", "--steps": "steps", "--guidance": "guidance",
                  "--shift": "shift", "--seed": "seed", "--skip-start": "skip_start", "--skip-stop": "skip_stop",
-                 "--uncond-skip-layers": "uncond_skip_layers", "prompt": "prompt", "negative": "negative"}
+                 "--uncond-skip-layers": "uncond_skip_layers", "prompt": "prompt", "negative": "negative",
+                 "lora": "lora"}
 
 
 class Kept:
@@ -109,6 +121,11 @@ class Kept:
         now = self.clock()
         for name in [n for n, (when, _) in self._pngs.items() if now - when > self.seconds]:
             del self._pngs[name]
+
+
+def _lora(choices):
+    """[(name, scale)] of a request's lora list (None: not given)."""
+    return None if choices is None else [(c.name, c.scale) for c in choices]
 
 
 def _skip_layers(value):
@@ -224,7 +241,7 @@ def create_app(engine, api_key=None, kept=None):
         job = make(OPENAI_FIELDS, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
                    steps=req.num_inference_steps, guidance=req.guidance_scale, width=width, height=height,
                    shift=req.shift, uncond_skip_layers=_skip_layers(req.uncond_skip_layers),
-                   skip_start=req.skip_start, skip_stop=req.skip_stop)
+                   skip_start=req.skip_start, skip_stop=req.skip_stop, lora=_lora(req.lora))
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)
@@ -243,7 +260,7 @@ def create_app(engine, api_key=None, kept=None):
         job = make(NATIVE_FIELDS, prompt=req.prompt, negative=req.negative, seed=req.seed, steps=req.steps,
                    guidance=req.guidance, width=req.width, height=req.height, shift=req.shift,
                    uncond_skip_layers=_skip_layers(req.uncond_skip_layers), skip_start=req.skip_start,
-                   skip_stop=req.skip_stop, noise=req.noise)
+                   skip_stop=req.skip_stop, noise=req.noise, lora=_lora(req.lora))
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)
@@ -267,6 +284,8 @@ def create_app(engine, api_key=None, kept=None):
     async def health():
         status = {"status": engine.state, "queue": engine.depth, "busy": engine.running is not None, "model": model_id,
                   "devices": engine.devices}
+        if engine.adapters:
+            status["lora"] = {name: adapter.scale for name, adapter in engine.adapters.items()}
         if engine.error is not None:
             status["error"] = str(engine.error)
         return JSONResponse(status, status_code=200 if engine.state == "ready" else 503)

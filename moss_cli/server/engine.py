@@ -4,6 +4,11 @@ A worker thread owns the models (on the GPU every stage runs on that one thread)
 warms the default size, then takes requests from a bounded queue, one picture at a time. Each picture goes
 through batch.encoded and batch.made, the path moss-image takes, so a request's PNG equals moss-image's for
 the same options. A request withdrawn before its turn (its client went away) is dropped without compute.
+
+LoRA: the adapters named at start are read once; a request picks any of them with scales (none: the set given at
+start). When its set differs from the one merged, the models go on with it before its pictures (stages.Model.use:
+on the GPU the touched weights are put back to the base and merged again in place, on the CPU merged again on the
+host), so its PNG equals moss-image's with the same --lora options in the same order.
 """
 
 import collections
@@ -16,7 +21,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .. import batch, stages
+from .. import batch, lora, stages
 from ..device import resolve
 from ..errors import MossError, UsageError
 from ..png import encode_png
@@ -58,6 +63,7 @@ class Request:
     negative: str
     options: stages.SamplingOptions
     count: int = 1
+    adapters: tuple = None      # the lora.Adapters to merge, in order (None: those given at start)
     future: Future = dataclasses.field(default_factory=Future)
     withdrawn: bool = False     # set when the client left while the request was being made: no more pictures
 
@@ -90,8 +96,12 @@ class Engine:
     take it yet. WARM: make one small picture at the default size before `ready`, so the first request does
     not pay for compiling and capturing the graphs."""
 
-    def __init__(self, checkpoint, device="auto", gpu_memory=None, max_queue=16, progress=None, warm=True):
+    def __init__(self, checkpoint, device="auto", gpu_memory=None, max_queue=16, progress=None, warm=True,
+                 adapters=None):
         self.checkpoint = checkpoint
+        self.at_start = checkpoint      # its adapters serve a request that names none
+        self.adapters = dict(adapters or {})    # name -> lora.Adapter (at the scale given at start) a request may pick
+        self.switch_s = None            # the last adapter switch's time
         self.devices = {stage: resolve(device, stage) for stage in batch.STAGES}   # a DeviceError now, not later
         self.device = device
         self.gpu_memory = gpu_memory
@@ -126,9 +136,10 @@ class Engine:
         the rest (the defaults moss-image takes)."""
         return stages.sampling_options(self.checkpoint, seed, **given)
 
-    def request(self, prompt, negative=stages.DEFAULT_NEGATIVE, seed=None, count=1, **given):
+    def request(self, prompt, negative=stages.DEFAULT_NEGATIVE, seed=None, count=1, lora=None, **given):
         """A checked Request of COUNT pictures (seeds seed .. seed + count - 1; a seed drawn when None), the
-        other options as `options` takes them."""
+        adapters `lora` picks (see `choose`), the other options as `options` takes them."""
+        adapters = self.choose(lora)
         for name, text in (("prompt", prompt), ("negative", negative)):
             if len(text) > MAX_PROMPT:
                 raise UsageError(f"{name}: {len(text)} characters, more than the {MAX_PROMPT} a request may hold")
@@ -142,7 +153,25 @@ class Engine:
                                   ("steps", options.steps, MAX_STEPS)):
             if value > most:
                 raise UsageError(f"--{name} {value}: the server takes at most {most}")
-        return Request(prompt, negative, options, count)
+        return Request(prompt, negative, options, count, adapters=adapters)
+
+    def choose(self, choices):
+        """The adapters of CHOICES, [(name, scale or None)], in its order and at its scales (None: the scale given at
+        start); None picks those given at start (returns None), [] the base model."""
+        if choices is None:
+            return None
+        chosen = []
+        for name, scale in choices:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                have = ", ".join(self.adapters) or "none"
+                raise UsageError(f"lora: no adapter named {name!r} (this server has {have})")
+            if scale is not None:
+                if not math.isfinite(scale):
+                    raise UsageError(f"lora: the scale of {name!r} must be a finite number")
+                adapter = dataclasses.replace(adapter, scale=float(scale))
+            chosen.append(adapter)
+        return tuple(chosen)
 
     @property
     def depth(self):
@@ -245,6 +274,7 @@ class Engine:
         self.progress.note("ready")
 
     def _make(self, request):
+        self._use(self.at_start if request.adapters is None else self.at_start.with_adapters(request.adapters))
         pictures = []
         for picture in self._pictures(request.prompt, request.negative, request.options, request.count):
             pictures.append(picture)
@@ -252,6 +282,24 @@ class Engine:
             if request.withdrawn:
                 break
         return pictures
+
+    def _use(self, checkpoint):
+        """Go on with CHECKPOINT's adapter set (Model.use on every model), its switch time noted."""
+        if lora.merged_set(checkpoint.adapters) == lora.merged_set(self.checkpoint.adapters):
+            return
+        began = time.perf_counter()
+        models = {id(m): m for m in (self.model_for(stage) for stage in batch.STAGES)}.values()
+        changed = set()
+        for model in models:
+            changed.update(model.use(checkpoint))
+        self.checkpoint = checkpoint
+        if "text_encoder" in changed:
+            self._negatives.clear()          # negative rows by token ids: another encoder's
+        self.switch_s = time.perf_counter() - began
+        names = {id(a.layers): n for n, a in self.adapters.items()}
+        now = ", ".join(f"{names.get(id(a.layers), a.path.name)} {a.scale:g}" for a in checkpoint.adapters) or "none"
+        self.progress.note(f"LoRA {now}: {' and '.join(sorted(changed)) or 'no weight'} changed in "
+                           f"{self.switch_s:.2f} s")
 
     def _next_seed(self, options):
         """The first seed of the next waiting request when its noise has the shape and kernel of OPTIONS': that
@@ -264,7 +312,7 @@ class Engine:
 
     def _pictures(self, prompt, negative, options, count):
         """The COUNT pictures of a prompt, seeds options.seed + i, one at a time (a generator)."""
-        key = (prompt, negative if options.cfg else None)
+        key = (self.fingerprint, prompt, negative if options.cfg else None)
         found = self._prompts.get(key)
         if found is None:
             found = self._prompts[key] = batch.encoded(self.model_for, prompt, negative, options, self.fingerprint,

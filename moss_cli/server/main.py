@@ -74,7 +74,10 @@ def _serve(engine, app, sock, quiet):
               help="Requests that may wait; one more is answered 429 with Retry-After.")
 @click.option("--api-key", envvar="MOSS_API_KEY", default=None,
               help="Require Authorization: Bearer KEY (default: $MOSS_API_KEY; none: no key).")
-@cli.lora_option
+@click.option("--lora", multiple=True, metavar="[NAME=]FILE[:SCALE]",
+              help="A LoRA or LoKr adapter, read once and named NAME (default: the file's stem); repeatable. A request "
+                   "picks any of them with scales (its lora field); one that picks none gets these at their SCALE "
+                   "(default 1; 0: loaded, not applied).")
 @cli.quiet_option
 @cli.version_option
 def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, lora, quiet):
@@ -83,17 +86,33 @@ def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, lora,
     from .app import create_app
     from .engine import Engine
     progress = Progress(quiet, "moss-server")
-    checkpoint = cli._checkpoint(model_dir, lora)    # adapters merged as each component loads, for every request
+    checkpoint, adapters = _adapters(model_dir, lora)
     api_key = api_key or None        # an empty $MOSS_API_KEY is no key
-    engine = Engine(checkpoint, device=device, gpu_memory=gpu_memory, max_queue=max_queue, progress=progress)
+    engine = Engine(checkpoint, device=device, gpu_memory=gpu_memory, max_queue=max_queue, progress=progress,
+                    adapters=adapters)
     sock = _listen(host, port)
     chosen = engine.devices
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     progress.note(f"model {checkpoint.root} ({checkpoint.fingerprint[:12]}), device {on}; "
                   f"http://{host}:{sock.getsockname()[1]}" + (", API key required" if api_key else ""))
+    for name, adapter in adapters.items():
+        progress.note(f"LoRA {name}: {adapter.describe()}")
     engine.start()
     _serve(engine, create_app(engine, api_key=api_key), sock, quiet)
+
+
+def _adapters(model_dir, lora):
+    """(the checkpoint with the --lora adapters as its own set, {name: lora.Adapter}): each read and checked once."""
+    from .. import lora as lora_io
+    specs = [lora_io.parse_named(text) for text in lora]
+    names = [name for name, _, _ in specs]
+    for name in names:
+        if names.count(name) > 1:
+            raise UsageError(f"--lora: the name {name!r} is given twice; name them NAME=FILE")
+    checkpoint = cli._checkpoint(model_dir)
+    read = checkpoint.read_adapters([(path, scale) for _, path, scale in specs])
+    return checkpoint.with_adapters(read), dict(zip(names, read))
 
 
 def server_command():
