@@ -33,7 +33,6 @@ MEASURED = {                   # case: (tiny, real) worst |err| / bound; None: g
     "softmax_causal": (0.0516, 0.0034),
     "attention_gqa": (None, 0.0227),
     "gated_delta_rule": (0.00578, 6.07e-5),
-    "gated_delta_rule_chunk_stages": (None, 0.109),
     "linear_bf16_residual": (None, 0.00269),
     "linear_bf16_f32out_bias": (None, 0.00267),
     "mma_bf16_product": (0.00817, 0.0012),

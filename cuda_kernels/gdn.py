@@ -460,6 +460,21 @@ def gdn_gates_reference(a, b, a_log, dt_bias):
     return -np.exp(a_log) * np.where(s > 20, s, np.log1p(np.exp(np.minimum(s, 20)))), 1 / (1 + np.exp(-b))
 
 
+def causal_conv1d_bound(x, w, y):
+    """What the conv kernel (silu included) can err by at each output, y its float64 reference: the K-term
+    sum carries gamma_K of its terms; silu's slope is below 1.1; exp, division: 4 roundings."""
+    terms = causal_conv1d_reference(np.abs(x), np.abs(w), activate=False)
+    return 1.1 * gamma(w.shape[1]) * terms + 8 * EPS32 * np.abs(y)
+
+
+def gdn_gates_bound(a, a_log, dt_bias, g, beta):
+    """What the gates kernel can err by at g and beta (their float64 references): exp, log1p, a sum, a
+    product, a division: each a float32 rounding or within 2 ulp; softplus's argument carries one rounding
+    of |a| + |dt_bias| (its slope is below 1)."""
+    s = np.abs(a.astype(np.float64)) + np.abs(dt_bias)
+    return 10 * EPS32 * np.abs(g) + EPS32 * s * np.exp(a_log.astype(np.float64)), 10 * EPS32 * np.abs(beta)
+
+
 def gated_delta_rule_reference(q, k, v, g, beta):
     """The recurrence itself; also returns sum_i |S_t[i, c] q_i| per output, the size of its terms."""
     q, k, v, g, beta = (a.astype(np.float64) for a in (q, k, v, g, beta))
@@ -493,9 +508,7 @@ def _run_conv(inp, control):
 
 def _ref_conv(inp):
     ref = causal_conv1d_reference(inp["x"], inp["w"])
-    terms = causal_conv1d_reference(np.abs(inp["x"]), np.abs(inp["w"]), activate=False)
-    # the K-term sum carries gamma_K of its terms; silu's slope is below 1.1; exp, division: 4 roundings
-    return ref, 1.1 * gamma(inp["w"].shape[1]) * terms + 8 * EPS32 * np.abs(ref) + 1e-30
+    return ref, causal_conv1d_bound(inp["x"], inp["w"], ref) + 1e-30
 
 
 def _make_delta_inputs(rng, size):
@@ -553,13 +566,10 @@ def _run_gates(inp, control):
 
 def _ref_gates(inp):
     h = inp["a_log"].size
-    g, beta = gdn_gates_reference(inp["ab"][:, 3:3 + h], inp["ab"][:, 3 + h:], inp["a_log"], inp["dt_bias"])
-    ref = np.concatenate([g, beta], axis=1)
-    # exp, log1p, a sum, a product, a division: each a float32 rounding or within 2 ulp; softplus's
-    # argument carries one rounding of |a| + |dt_bias| (its slope is below 1)
-    s = np.abs(inp["ab"][:, 3:3 + h].astype(np.float64)) + np.abs(inp["dt_bias"])
-    arg = np.concatenate([EPS32 * s * np.exp(inp["a_log"].astype(np.float64)), 0 * s], axis=1)
-    return ref, 10 * EPS32 * np.abs(ref) + arg + 1e-30
+    a = inp["ab"][:, 3:3 + h]
+    g, beta = gdn_gates_reference(a, inp["ab"][:, 3 + h:], inp["a_log"], inp["dt_bias"])
+    bound = np.concatenate(gdn_gates_bound(a, inp["a_log"], inp["dt_bias"], g, beta), axis=1)
+    return np.concatenate([g, beta], axis=1), bound + 1e-30
 
 
 CASES = [

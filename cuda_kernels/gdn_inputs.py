@@ -15,7 +15,8 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from .core import EPS32, SIMULATED, Case, gamma, jit, team_sum
-from .gdn import CONV_TOKENS, causal_conv1d_reference, conv_steps, gates_at, gdn_gates_reference
+from .gdn import (CONV_TOKENS, causal_conv1d_bound, causal_conv1d_reference, conv_steps, gates_at, gdn_gates_bound,
+                  gdn_gates_reference)
 from .norms import l2_norm_reference
 
 TOKENS = CONV_TOKENS
@@ -182,9 +183,8 @@ def _ref(inp):
     x, a, b = wide[:, :channels], wide[:, channels:channels + hv], wide[:, channels + hv:channels + 2 * hv]
     q, k, v, g, beta = gdn_inputs_reference(x, inp["w"], a, b, inp["a_log"], inp["dt_bias"], hk, dk, inp["eps"],
                                             dk ** -0.5)
-    # the conv's bound per channel (as gdn's contract: gamma_K of the terms, silu's slope below 1.1, 4 roundings)
     y = causal_conv1d_reference(x, inp["w"])
-    conv = 1.1 * gamma(4) * causal_conv1d_reference(np.abs(x), np.abs(inp["w"]), activate=False) + 8 * EPS32 * np.abs(y)
+    conv = causal_conv1d_bound(x, inp["w"], y)          # per channel, as the conv's own contract
     bounds = []
     for head, scale in ((slice(0, hk * dk), dk ** -0.5), (slice(hk * dk, 2 * hk * dk), 1.0)):
         yh, ch = y[:, head].reshape(n, hk, dk), conv[:, head].reshape(n, hk, dk)
@@ -195,9 +195,7 @@ def _ref(inp):
         # roundings (gamma_dk of the sum of squares, half of it through the root, a few more)
         bounds.append(scale * (ch + np.abs(yh) * dnorm / norm) / norm + (0.5 * gamma(dk) + 5 * EPS32) * np.abs(out))
     bounds.append(conv[:, 2 * hk * dk:])
-    s = np.abs(a.astype(np.float64)) + np.abs(inp["dt_bias"])
-    bounds.append(10 * EPS32 * np.abs(g) + EPS32 * s * np.exp(inp["a_log"].astype(np.float64)))
-    bounds.append(10 * EPS32 * np.abs(beta))
+    bounds.extend(gdn_gates_bound(a, inp["a_log"], inp["dt_bias"], g, beta))
     ref = np.concatenate([o.ravel() for o in (q, k, v, g, beta)])
     return ref, np.concatenate([o.ravel() for o in bounds]) + 1e-30
 

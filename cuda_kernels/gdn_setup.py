@@ -1,14 +1,12 @@
-"""The chunked delta rule's per-chunk setup (gdn_chunk's prep, gram, solve and [U | W]) as one kernel.
+"""The chunked delta rule's per-chunk setup (gdn_chunk's operands of the walk) in one kernel.
 
 One block per (value head, chunk), everything in shared memory, the products on TF32 mma.sync:
   G = cumsum(g) in the chunk (parallel scan), e^G;
   P = lower(Q K^T * D) to the walk, A = strictly_lower(beta K K^T * D) (D_il = e^(G_i - G_l));
-  T = (I + A)^-1 by the same blocked substitution as gdn_chunk's solve (float32);
+  T = (I + A)^-1 by blocked forward substitution (float32), diagonal blocks of SUB rows, then block rows;
   [U | W] = T [beta V | beta e^G K] to the walk.
-gdn_chunk runs the same algebra as two kernels and two cuBLAS products with chunk-major copies of q, k and
-v between them (~80 MB a layer at 1024 tokens); here q and k arrive by asynchronous 16-byte copies
-(mma.copy16) and v through registers, and only U, W, P and G leave. The shared arrays share three regions
-(setup_layout), so that two blocks fit on an SM at dk = dv = 128.
+q and k arrive by asynchronous 16-byte copies (mma.copy16) and v through registers, and only U, W, P and G
+leave. The shared arrays share three regions (setup_layout), so that two blocks fit on an SM at dk = dv = 128.
 """
 
 import math
@@ -16,10 +14,11 @@ import math
 import numpy as np
 from numba import cuda, float32, uint64
 
-from . import gdn_chunk as gc
 from .core import SIMULATED, allow_shared, jit
 from .mma import clock, copy16, copy_commit, copy_wait, mma_tf32
 
+CHUNK = 4 if SIMULATED else 64         # tokens a chunk (gdn_chunk's walk takes the same)
+SUB = 2 if SIMULATED else 16           # rows of the triangular solve's diagonal blocks
 THREADS = 64 if SIMULATED else 256     # whole warps, at least CHUNK (the scan, the solve's columns)
 STRIP = 2 if SIMULATED else 4          # n tiles of 8 columns per warp item of [U | W]: one A fragment each
 # The phases a timed kernel stamps (the SM's cycle counter, thread 0 of each block; scripts/gpu_bench_delta.py)
@@ -34,12 +33,12 @@ def setup_layout(dk, dv):
     r2: K (kp + 4) for the grams, then T (row) and the solve's block-row sums;
     r3: A (row) for the solve, then beta V (vp + 8) for [U | W];
     g, b, e: G, beta, e^G. Strides 4 mod 32 serve fragments read along rows, 8 mod 32 down columns."""
-    chunk = gc.CHUNK
+    chunk = CHUNK
     cp, wide = -(-chunk // 16) * 16, 8 * STRIP
     kp, vp = -(-dk // wide) * wide, -(-dv // wide) * wide
     row = cp + 4
     r1 = cp * (kp + 8)
-    r2 = max(cp * (kp + 4), cp * row + gc.SUB * row)
+    r2 = max(cp * (kp + 4), cp * row + SUB * row)
     r3 = max(cp * row, cp * (vp + 8))
     lay = {"cp": cp, "kp": kp, "vp": vp, "row": row, "r1": 0, "r2": r1, "r3": r1 + r2, "g": r1 + r2 + r3}
     lay["b"], lay["e"] = lay["g"] + cp, lay["g"] + 2 * cp
@@ -49,7 +48,7 @@ def setup_layout(dk, dv):
 def _make_setup(control, r, dk, dv, timed=False):
     """The kernel for r value heads per key head and dims dk, dv (control: P without its decay factors;
     timed: thread 0 writes the cycle counter at each of PHASES into stamps[block])."""
-    chunk, sub = gc.CHUNK, gc.SUB
+    chunk, sub = CHUNK, SUB
     lay, total = setup_layout(dk, dv)
     cp, kp, vp, row = lay["cp"], lay["kp"], lay["vp"], lay["row"]
     o1, o2, o3, og, ob, oe = (lay[x] for x in ("r1", "r2", "r3", "g", "b", "e"))
@@ -326,11 +325,11 @@ def chunk_setup(q, k, v, g, beta, uw, p, gam, stream=0, control=False, stamps=No
     timed kernel's cycle counts (a probe), None for the plain kernel."""
     n, n_hk, dk = q.shape
     n_hv, dv = v.shape[1], v.shape[2]
-    if dk % 4 or THREADS % (dk // 4) or THREADS % dv or gc.CHUNK > THREADS or gc.CHUNK % gc.SUB:
+    if dk % 4 or THREADS % (dk // 4) or THREADS % dv or CHUNK > THREADS or CHUNK % SUB:
         raise ValueError(f"chunk setup: key dim {dk} must be a multiple of 4 dividing 4 x {THREADS}, the value "
-                         f"dim {dv} divide {THREADS}, and the chunk {gc.CHUNK} be at most {THREADS} in whole "
-                         f"blocks of {gc.SUB}")
-    key = (control, n_hv // n_hk, dk, dv, gc.CHUNK, gc.SUB, stamps is not None)
+                         f"dim {dv} divide {THREADS}, and the chunk {CHUNK} be at most {THREADS} in whole "
+                         f"blocks of {SUB}")
+    key = (control, n_hv // n_hk, dk, dv, CHUNK, SUB, stamps is not None)
     if key not in _setup:
         _setup[key] = _make_setup(*key[:4], timed=key[6])
     kernel = _setup[key]
@@ -341,5 +340,5 @@ def chunk_setup(q, k, v, g, beta, uw, p, gam, stream=0, control=False, stamps=No
     args = (q.reshape(q.size), k.reshape(k.size), v, g, beta, uw.reshape(uw.size), p.reshape(p.size), gam, stamps)
     nbytes = 4 * setup_layout(dk, dv)[1]
     allow_shared(kernel, args, nbytes)
-    kernel[(n_hv, -(-n // gc.CHUNK)), THREADS, stream, nbytes](*args)
+    kernel[(n_hv, -(-n // CHUNK)), THREADS, stream, nbytes](*args)
 

@@ -31,7 +31,7 @@ def _signatures():
 
     def a(dtype, ndim, layout="C"):
         return t.Array(dtype, ndim, layout)
-    f1, f2, f3, f4 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3), a(t.float32, 4)
+    f1, f2, f3 = a(t.float32, 1), a(t.float32, 2), a(t.float32, 3)
     s2, s3, b2, b3 = a(t.float32, 2, "A"), a(t.float32, 3, "A"), a(t.uint16, 2), a(t.uint16, 3)
     tup = t.UniTuple(t.int64, 4)
     u1 = a(t.uint32, 1)
@@ -69,17 +69,13 @@ def _signatures():
         "causal_conv1d_k4": (gdn._make_conv(False, 4), (s2, f2, f2, t.boolean)),
         "gated_delta_rule_dk128": (gdn._make_delta_rule(False, 128, *gdn.GEOMETRY),
                                    (f3, f3, s3, f2, f2, f3, a(t.int64, 2))),
-        "delta_chunk_prep": (gdn_chunk._make_prep(2), (f3, f3, s3, f2, f2, f4, f4, f3)),
-        "delta_chunk_solve": (gdn_chunk._make_solve(False, 2), (f4, f3, f2, f4, f4)),
         "delta_chunk_setup": (gdn_setup._make_setup(False, 2, 128, 128),
                               (f1, f1, s3, f2, f2, f1, f1, f3, a(t.int64, 2))),
-        "delta_chunk_walk": (gdn_chunk._make_walk(False, 32, 512, 128), (f1, f1, f1, f1, f3, f3)),
+        "delta_chunk_walk": (gdn_chunk._make_walk(False, *gdn_chunk.WALK, 128), (f1, f1, f1, f1, f3, f3)),
         "flash_prep_d256": (flash.prep_kernel(256), (s3, s3, s3, u1, u1, u1)),
         "flash_attention_d256_causal": (flash.kernel(256, True)[0], (u1, u1, u1, f3, t.int64, t.float32)),
         "flash_prep_d128": (flash.prep_kernel(128), (s3, s3, s3, u1, u1, u1)),
         "flash_attention_d128": (flash.kernel(128, False)[0], (u1, u1, u1, f3, t.int64, t.float32)),
-        "delta_chunk_walk_strip": (gdn_chunk._make_walk(False, *gdn_chunk.WALK_STRIP[:2], 128, "strip"),
-                                   (f1, f1, f1, f1, f3, f3)),
         "dit_norm_modulate_pairs_d3072": (dit._norm_modulate_pairs(True, True, False, *row_team(1536)),
                                           (w2c, a(t.uint32, 2), u8v, u8v, u8v, u8v, a(t.uint32, 2), t.float32)),
         "dit_norm_modulate_d3071": (dit._norm_modulate(True, True, False, *row_team(3071)),

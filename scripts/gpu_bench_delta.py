@@ -1,7 +1,10 @@
 """The delta rule alone on the GPU at the 9B encoder's GDN shapes: the token recurrence (gdn, its default
-and other launch geometries) against the chunked form (gdn_chunk, TF32 products, serial-pass geometries), each
-captured as a CUDA graph and replayed; each stage of the chunked form alone; the cycle stamps of the
-recurrence's timed kernel (gdn.STAMPS) and of the chunk setup's phases (gdn_setup.PHASES).
+and other launch geometries) against the chunked form (gdn_chunk: the setup kernel, then the walk, on TF32
+tensor cores), each captured as a CUDA graph and replayed; each stage of the chunked form alone; the cycle
+stamps of the recurrence's timed kernel (gdn.STAMPS) and of the chunk setup's phases (gdn_setup.PHASES).
+
+The staged setup (prep, gram, solve, [U | W]) and the tile walk that this script once timed against the
+setup kernel and the strip walk are in git history, with that comparison (BENCHMARKS.md at 705748d, run S).
 
     python scripts/gpu_bench_delta.py --out delta.json
 """
@@ -21,8 +24,6 @@ from moss_cli.gpu.capture import capture
 HK, HV, DK, DV = 16, 32, 128, 128
 LENGTHS = (112, 1024)
 FORMS = {"recurrent": "recurrent", "chunked": "chunk"}
-# the chunked form's serial pass: (state columns, threads) per block, "strip": the register-blocked variant
-WALKS = [(32, 512), (32, 512, "strip")]
 # the recurrence's other launch geometries (parts per column, threads per block, tokens per tile and group,
 # state columns per thread)
 GEOMETRIES = [(8, 256, 16, 2, 1), (8, 128, 16, 1, 2), (8, 128, 8, 1, 2), (8, 256, 16, 1, 2), (8, 64, 8, 1, 4),
@@ -38,9 +39,9 @@ def inputs(n, seed=0):
     return inp
 
 
-def replay_ms(ops, args, form, geometry=None, walk=None, reps=20, setup=None):
+def replay_ms(ops, args, form, geometry=None, reps=20):
     """Median wall time of `reps` replays (each synchronised) of the op captured as one graph."""
-    ops.delta_geometry, ops.delta_walk, ops.delta_setup = geometry, walk, setup
+    ops.delta_geometry = geometry
     ops.gated_delta_rule(*args, form=form)          # compile, plan cuBLAS, fill the pool
     cuda.synchronize()
     graph, stream, out = capture(ops, lambda: ops.gated_delta_rule(*args, form=form))
@@ -88,10 +89,10 @@ def setup_cycles(args, launches=3):
     """The chunk setup's timed kernel (%clock64 of each block's thread 0 at each of gdn_setup.PHASES):
     the median over blocks of each phase's span and of the block's whole span, in cycles."""
     q, k, v, g, beta = args
-    n, n_hk, dk = q.shape
-    shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], "fused")
+    n, _, dk = q.shape
+    shapes = gdn_chunk.workspace_shapes(n, v.shape[1], dk, v.shape[2])
     work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
-    stamps = cuda.device_array((v.shape[1] * -(-n // gdn_chunk.CHUNK), len(gdn_setup.PHASES)), np.int64)
+    stamps = cuda.device_array((v.shape[1] * -(-n // gdn_setup.CHUNK), len(gdn_setup.PHASES)), np.int64)
     for _ in range(launches):
         gdn_setup.chunk_setup(q, k, v, g, beta, work["uw"], work["p"], work["gam"], stamps=stamps)
     cuda.synchronize()
@@ -103,21 +104,20 @@ def setup_cycles(args, launches=3):
 
 
 def stage_ms(ops, args, reps=20):
-    """Each stage of the chunked form alone (gdn_chunk.FUSED_STAGES, then the staged setup's STAGES),
-    captured and replayed on buffers a full run filled: median ms per stage."""
+    """Each stage of the chunked form alone (gdn_chunk.STAGES), captured and replayed on buffers a full run
+    filled: median ms per stage."""
     q, k, v, g, beta = args
-    n, n_hk, dk = q.shape
+    n, _, dk = q.shape
+    work = {name: cuda.device_array(shape, np.float32)
+            for name, shape in gdn_chunk.workspace_shapes(n, v.shape[1], dk, v.shape[2]).items()}
+    out = cuda.device_array(v.shape, np.float32)
+    gdn_chunk.gated_delta_rule_chunked(*args, out, work)
+    cuda.synchronize()
     times = {}
-    for setup, stages in (("fused", gdn_chunk.FUSED_STAGES), ("stages", gdn_chunk.STAGES)):
-        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], setup)
-        work = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
-        out = cuda.device_array(v.shape, np.float32)
-        gdn_chunk.gated_delta_rule_chunked(*args, out, work, setup=setup)
-        cuda.synchronize()
-        for stage in stages:
-            graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(
-                *args, out, work, stream=ops.stream, stages=(stage,), setup=setup))
-            times[f"chunked_{setup}_stage_{stage}_ms"] = graph_ms(graph, stream, reps)
+    for stage in gdn_chunk.STAGES:
+        graph, stream, _ = capture(ops, lambda: gdn_chunk.gated_delta_rule_chunked(
+            *args, out, work, stream=ops.stream, stages=(stage,)))
+        times[f"chunked_stage_{stage}_ms"] = graph_ms(graph, stream, reps)
     return times
 
 
@@ -137,10 +137,6 @@ def main():
                 row[label + "_ms"], outs[label] = replay_ms(ops, dev, form)
             except Exception as exc:          # one failing form must not hide the others
                 row[label + "_ms"] = f"failed: {exc!r}"
-        try:
-            row["chunked_staged_setup_ms"], outs["chunked_staged_setup"] = replay_ms(ops, dev, "chunk", setup="stages")
-        except Exception as exc:
-            row["chunked_staged_setup_ms"] = f"failed: {exc!r}"
         for geometry in GEOMETRIES:
             label = "recurrent_p{}_t{}_tile{}_group{}_cols{}".format(*geometry)
             try:
@@ -151,12 +147,6 @@ def main():
             row.update(recurrence_cycles(dev, n))
         except Exception as exc:
             row["recurrent_cycles"] = f"failed: {exc!r}"
-        for walk in WALKS:
-            label = "chunked_" + gdn_chunk.walk_name(walk)
-            try:
-                row[label + "_ms"], outs[label] = replay_ms(ops, dev, "chunk", walk=walk)
-            except Exception as exc:
-                row[label + "_ms"] = f"failed: {exc!r}"
         try:
             row.update(stage_ms(ops, dev))
         except Exception as exc:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from numba import cuda
 
-from cuda_kernels import gdn_chunk
 from cuda_kernels.core import from_bf16_bits, to_bf16_bits
 from cuda_kernels.layout import random_bf16
 from moss_cli.encoder import expected_tensors, text_config
@@ -33,8 +32,6 @@ CONFIG = {"text_config": {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}}}
 LENGTHS = (100, 1000)
-# other geometries of the chunked delta rule's serial pass timed in the whole graph (columns, threads)
-WALKS = []
 # the same graph with one choice changed (CudaOps attributes; "form" is the encoder's), each timed at both
 # lengths with its final rows' error against float64 (so a faster choice shows what it costs)
 VARIANTS = {
@@ -244,7 +241,7 @@ def main():
                     "bucket": enc.timings["bucket"], "capture_s": capture_s,
                     "graph_vs_eager_rel": rel(rows, ours[n][-1]), "replays_identical": again.tobytes() == rows.tobytes(),
                     "floor_ms": 1e3 * weight_bytes(config, n) / (result["copy_GBps"] * 1e9)}
-    # the same graph with one choice changed at a time (VARIANTS), then other walk geometries
+    # the same graph with one choice changed at a time (VARIANTS)
     finals = {}
 
     def variant(settings, label):
@@ -264,8 +261,6 @@ def main():
     for label, settings in ({} if args.quick else VARIANTS).items():
         if all(key == "form" or hasattr(ops, key) for key in settings):
             variant(settings, label)
-    for walk in ([] if args.quick else WALKS):
-        variant({"chunk_from": 0, "delta_walk": walk}, f"chunked_{gdn_chunk.walk_name(walk)}")
     # and with the products' algorithms timed per shape (MOSS_GEMM_TUNE=1's Blas) instead of the heuristic's
     from cuda_kernels import gemm
     default = gemm.blas()

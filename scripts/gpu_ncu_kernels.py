@@ -60,9 +60,9 @@ def chunked():
     inp = inputs(1000)
     args = [cuda.to_device(inp[name]) for name in ("q", "k", "v", "g", "beta")]
     out = cuda.device_array(inp["v"].shape, np.float32)
-    n, n_hk, dk = inp["q"].shape
+    n, _, dk = inp["q"].shape
     work = {name: cuda.device_array(shape, np.float32)
-            for name, shape in gdn_chunk.workspace_shapes(n, n_hk, inp["v"].shape[1], dk, inp["v"].shape[2]).items()}
+            for name, shape in gdn_chunk.workspace_shapes(n, inp["v"].shape[1], dk, inp["v"].shape[2]).items()}
     for _ in range(2):
         gdn_chunk.gated_delta_rule_chunked(*args, out, work)
 

@@ -3,13 +3,10 @@ run in the numba CUDA simulator against the float64 recurrence: the recurrence w
 geometry (256-thread blocks, 16-token tiles, token by token; 21 tokens at dk = 16 and 37 at dk = 8: a whole
 tile, then a part tile; each simulated thread-step costs ~0.2 ms, so no more tokens than that) fitted to dk = 16
 and to the tiny checkpoint's dk = 8, the recurrence in groups of 4 tokens, with two state columns a thread,
-and the chunked form
-with 64-token chunks, 16-row solve blocks, with dk = 8 (70 tokens: a whole chunk and a part one), the fused
-setup's 256 threads and the strip walk's 32 columns on 256 threads (the tiny checkpoint's key dim, half the
-GPU default's threads: the simulator's mma statement takes at most 256). The tile walk, not the default, is
-checked by its contract case at the simulator's size. The staged setup is checked by its
-contract case at the simulator's size. In the
-simulator a kernel reads its module's constants when it runs, so setting them selects the geometry."""
+and the chunked form with 64-token chunks, 16-row solve blocks, with dk = 8 (70 tokens: a whole chunk and a
+part one), the setup's 256 threads and the walk's 32 columns on 256 threads (the tiny checkpoint's key dim,
+half the GPU default's threads: the simulator's mma statement takes at most 256). In the simulator a kernel
+reads its module's constants when it runs, so setting them selects the geometry."""
 
 import os
 import subprocess
@@ -50,14 +47,12 @@ print(plain[0], control[0], plain[1], control[1])
 
 CHUNKED = """
 from cuda_kernels import gdn_chunk as gc, gdn_setup as gs
-gc.CHUNK, gc.SUB, gc.THREADS, gc.WALK, gc.DK_MAX = 64, 16, 256, {walk}, 32
-gc.ROW = gc.CHUNK + 1
-gc.AREA = gc.CHUNK * gc.ROW
-gs.THREADS, gs.STRIP = {setup}
-gc._prep.clear(); gc._solve.clear(); gc._walk.clear(); gs._setup.clear()
+gs.CHUNK, gs.SUB, gs.THREADS, gs.STRIP = 64, 16, 256, 4
+gc.CHUNK, gc.WALK, gc.DK_MAX = gs.CHUNK, (32, 256), 32       # gdn_chunk's CHUNK is gdn_setup's
+gc._walk.clear(); gs._setup.clear()
 expected, bound = gc._ref_chunked(inp)
-plain = gate(gc._run(inp, False, setup="{form}"), expected, bound)
-control = gate(gc._run(inp, True, setup="{form}"), expected, bound)
+plain = gate(gc._run(inp, False), expected, bound)
+control = gate(gc._run(inp, True), expected, bound)
 print(plain[0], control[0], plain[1], control[1])
 """
 
@@ -74,10 +69,9 @@ SCRIPTS = {
     # contract's simulator geometry runs two columns in groups of 2
     "recurrence 2 columns": INPUTS.format(n=21, dk=16) + RECURRENT.format(geometry=(8, 128, 16, 1, 2)),
     # the tiny checkpoint's dk = 8 (zero-padded to a 16-row tile in the walk), 32 walk columns over dv = 16;
-    # the fused setup at its GPU geometry, 256 threads and strips of 4 n tiles; the strip walk (the GPU
-    # default's variant and columns, half its threads): step (1)'s k halves, step (2)'s dummy warps
-    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED.format(walk=(32, 256, "strip"), setup=(256, 4),
-                                                               form="fused"),
+    # the setup at its GPU geometry, 256 threads and strips of 4 n tiles; the walk (the GPU default's
+    # columns, half its threads): step (1)'s k halves, step (2)'s dummy warps
+    "chunked dk 8": INPUTS.format(n=70, dk=8) + CHUNKED,
 }
 
 

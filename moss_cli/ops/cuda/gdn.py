@@ -46,19 +46,17 @@ class GdnCudaOps:
         return out
 
     def gated_delta_rule(self, q, k, v, g, beta, form="chunk"):
-        """Form "chunk": the chunked form on TF32 tensor cores (gdn_chunk; the serial pass's geometry
-        `delta_walk`, None for its default) from `chunk_from` tokens on, the token recurrence (gdn) below;
-        "recurrent": the recurrence.
+        """Form "chunk": the chunked form on TF32 tensor cores (gdn_chunk) from `chunk_from` tokens on, the
+        token recurrence (gdn) below; "recurrent": the recurrence.
         Both are the same function (their contract cases hold them to the same float64 recurrence)."""
         if form not in ("chunk", "recurrent"):
             raise ValueError(f"unknown delta rule form {form!r}")
         out = self.new(v.shape)
-        n, n_hk, dk = q.shape
+        n, _, dk = q.shape
         if form == "recurrent" or n < self.chunk_from:
             gdn.gated_delta_rule(q, k, v, g, beta, out, stream=self.stream, geometry=self.delta_geometry)
             return out
-        shapes = gdn_chunk.workspace_shapes(n, n_hk, v.shape[1], dk, v.shape[2], self.delta_setup)
+        shapes = gdn_chunk.workspace_shapes(n, v.shape[1], dk, v.shape[2])
         work = {name: self.new(shape) for name, shape in shapes.items()}
-        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream, walk=self.delta_walk,
-                                           setup=self.delta_setup)
+        gdn_chunk.gated_delta_rule_chunked(q, k, v, g, beta, out, work, stream=self.stream)
         return out

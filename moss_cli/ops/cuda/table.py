@@ -86,8 +86,6 @@ class CudaOps(DitCudaOps, ConvCudaOps, GdnCudaOps):
                                 # outlives the kernels queued on it
         self.rows_host = None   # pinned bf16 rows [n, D] whose copy a capture puts in the graph (embedding)
         self.chunk_from = CHUNK_FROM
-        self.delta_walk = None
-        self.delta_setup = None        # the chunked form's setup, "fused" or "stages"; gdn_chunk.SETUP when None
         self.delta_geometry = None     # the recurrence's (parts, threads, tile, group[, cols]); gdn.GEOMETRY when None
         # "flash" (flash.py: a bf16 pre-pass, then bf16 tensor cores with cp.async double buffering, no
         # scores buffer) or "products" (TF32 cuBLAS + a softmax kernel). Flash measured the faster whole
