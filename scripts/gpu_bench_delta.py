@@ -4,7 +4,7 @@ tensor cores), each captured as a CUDA graph and replayed; each stage of the chu
 stamps of the recurrence's timed kernel (gdn.STAMPS) and of the chunk setup's phases (gdn_setup.PHASES).
 
 The staged setup (prep, gram, solve, [U | W]) and the tile walk that this script once timed against the
-setup kernel and the strip walk are in git history, with that comparison (BENCHMARKS.md at 705748d, run S).
+setup kernel and the strip walk are in git history, with that comparison (BENCHMARKS.md at 705748d).
 
     python scripts/gpu_bench_delta.py --out delta.json
 """
