@@ -46,44 +46,41 @@ class LoraChoice(BaseModel):
     scale: Optional[float] = None
 
 
-class Generation(BaseModel):
-    """POST /v1/images/generations: OpenAI's fields, SGLang's and vLLM-Omni's, and ours (shift, skip window)."""
+class _Request(BaseModel):
+    """The fields both picture endpoints take under one name."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str
+    seed: Optional[int] = None
+    shift: Optional[float] = None
+    uncond_skip_layers: Union[str, list[int]] = "22"
+    skip_start: float = stages.DEFAULT_SKIP_START
+    skip_stop: float = stages.DEFAULT_SKIP_STOP
+    lora: Optional[list[LoraChoice]] = None
+
+
+class Generation(_Request):
+    """POST /v1/images/generations: OpenAI's fields, SGLang's and vLLM-Omni's, and ours (shift, skip window, lora)."""
+
     n: int = 1
     size: str = "auto"
     response_format: Literal["b64_json", "url"] = "b64_json"
     model: Optional[str] = None
     user: Optional[str] = None
     negative_prompt: str = stages.DEFAULT_NEGATIVE
-    seed: Optional[int] = None
     num_inference_steps: Optional[int] = None
     guidance_scale: Optional[float] = None
-    shift: Optional[float] = None
-    uncond_skip_layers: Union[str, list[int]] = "22"
-    skip_start: float = stages.DEFAULT_SKIP_START
-    skip_stop: float = stages.DEFAULT_SKIP_STOP
-    lora: Optional[list[LoraChoice]] = None
 
 
-class Native(BaseModel):
+class Native(_Request):
     """POST /v1/moss/image: moss-image's options under their own names, one picture."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: str
     negative: str = stages.DEFAULT_NEGATIVE
-    seed: Optional[int] = None
     steps: Optional[int] = None
     guidance: Optional[float] = None
     width: Optional[int] = None
     height: Optional[int] = None
-    shift: Optional[float] = None
-    uncond_skip_layers: Union[str, list[int]] = "22"
-    skip_start: float = stages.DEFAULT_SKIP_START
-    skip_stop: float = stages.DEFAULT_SKIP_STOP
     noise: Literal["avx2", "generic"] = "avx2"
-    lora: Optional[list[LoraChoice]] = None
 
 
 # the request field that each of SamplingOptions.check's options comes from
