@@ -183,17 +183,19 @@ def keep_names(picture, several):
     return f"prompt-{picture.prompt.index}.enc", f"latents-{picture.prompt.index}-{picture.seed}.lat"
 
 
-def open_models(checkpoint, device, progress, gpu_memory=None, size=None, held=False):
+def open_models(checkpoint, device, progress, gpu_memory=None, size=None, held=False, image=False):
     """(model_for, {stage: device}): model_for(stage) is the stages.Model of the device STAGE resolves to, one
     per device, made on first use, so every component loads once. The GPU memory plan (stages.memory_plan for
     the picture `size`, within `gpu_memory` GB; `held`: every component kept loaded, as a server keeps them) is
     made as soon as the driver answers and said in one line; the encoder's and the transformer's weights start
     for the GPU then, as far as the plan keeps them there from the start (stages.preload_gpu_weights), while the
-    kernel library is imported."""
+    kernel library is imported. `image`: a picture to start from is encoded in this process too (the VAE encoder's
+    weights and pool planned beside the text encoder's)."""
     size = size or (stages.DEFAULT_SIZE, stages.DEFAULT_SIZE)
+    planned = STAGES + (("encode-image",) if image else ())
 
     def planner(memory):
-        made = stages.memory_plan(checkpoint, STAGES, gpu_memory, size, memory, held=held)
+        made = stages.memory_plan(checkpoint, planned, gpu_memory, size, memory, held=held)
         progress.note(made.line())
         return made
     preloaded, plan = stages.preload_gpu_weights(checkpoint, device, planner=planner)

@@ -107,8 +107,8 @@ def _memory_plan(checkpoint, chosen, stage_list, gpu_memory, size, show_plan, pr
                                   memory=None if chosen == "cuda" else False)
         click.echo(plan.line())
         raise click.exceptions.Exit(0)
-    if chosen != "cuda" or not set(stage_list) & set(stages.PLAN_COMPONENTS):
-        return None          # the VAE encoder alone: its weights checked against the free memory as it loads
+    if chosen != "cuda":
+        return None
     plan = stages.memory_plan(checkpoint, stage_list, gpu_memory, size)
     progress.note(plan.line())
     return plan
@@ -359,15 +359,17 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
 @click.option("--height", type=int, default=None,
               help="Resize to this height, a multiple of 16 [the picture's, floored to a multiple of 16].")
 @device_option
+@memory_options
 @click.option("--out", required=True, help="IMAGE file, or - for stdout.")
 @quiet_option
 @version_option
-def _encode_image(model_dir, picture, width, height, device, out, quiet):
+def _encode_image(model_dir, picture, width, height, device, gpu_memory, show_plan, out, quiet):
     from . import picture as pictures
     progress = Progress(quiet, "moss-encode-image")
     artifacts.check_writable(out)
-    model = _open(model_dir, device, "encode-image", progress)
-    artifacts.write(out, stages.encode_image(model, pictures.read(picture), width, height))
+    source = pictures.read(picture)
+    model = _open(model_dir, device, "encode-image", progress, gpu_memory, show_plan, source.target(width, height))
+    artifacts.write(out, stages.encode_image(model, source, width, height))
     _wrote(progress, out, "IMAGE")
 
 
@@ -451,15 +453,17 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     opts = _sampling(checkpoint, progress, pictures[0].seed, steps, guidance, width, height, shift,
                      skip_layers, skip_start, skip_stop, noise)
     size = (opts.width, opts.height)
+    encodes = source is not None and (strength != 1.0 or mask is not None)     # the VAE encoder runs here too
+    planned = batch.STAGES + (("encode-image",) if encodes else ())
     if show_plan:
-        _memory_plan(checkpoint, resolve(device, "denoise"), batch.STAGES, gpu_memory, size, True, progress)
+        _memory_plan(checkpoint, resolve(device, "denoise"), planned, gpu_memory, size, True, progress)
     # the devices resolve after the preload (which must start before the kernel library is imported): until
     # then only the host's part of a GPU run is checked, and a stage that auto puts on the CPU is checked again
     for stage in ("denoise", "decode"):
         stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu" if device == "cpu" else "cuda")
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
     # (the base weights: --lora adapters are merged on the GPU once they are there)
-    model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size)
+    model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size, image=encodes)
     for stage in ("denoise", "decode"):
         if device != "cpu" and chosen[stage] == "cpu":
             stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu")
@@ -472,8 +476,8 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     if keep is not None:
         _make_folder(keep, "--keep")
     start = None
-    if source is not None and (strength != 1.0 or mask is not None):
-        # a model of its own: the VAE encoder's weights go once the picture is encoded
+    if encodes:
+        # a model of its own: the VAE encoder's weights go once the picture is encoded (the plan counted them)
         image_bytes = stages.encode_image(stages.Model(checkpoint, device=resolve(device, "encode-image"),
                                                        progress=progress), source, opts.width, opts.height)
         if keep is not None:

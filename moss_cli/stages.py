@@ -211,7 +211,7 @@ def _require_gpu_room(comp, matrix_bytes, memory=None):
 
 
 GPU_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer"}   # stages whose weights preload sends
-PLAN_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+PLAN_COMPONENTS = {"encode-image": "vae", "encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
 
 
 def memory_plan(checkpoint, stages, gpu_memory=None, size=(DEFAULT_SIZE, DEFAULT_SIZE), memory=None, held=False):

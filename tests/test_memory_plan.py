@@ -154,3 +154,56 @@ def test_a_server_holds_every_component_and_streams_the_encoder_first(real, budg
     plan = mp.make(real, ALL, budget * GB, held=True)
     assert len(plan.layers("text_encoder")) == encoder and len(plan.layers("transformer")) == dit
     assert plan.peak <= budget * GB and plan.mode == ("resident" if budget == 80 else "streamed")
+
+
+def test_a_picture_to_start_from_plans_the_vae_encoder_beside_the_text_encoder(real):
+    """moss-image --init-image encodes the picture (the VAE encoder, 0.25 GB of vae weights and a pool of its
+    512-channel convolutions) while the text encoder's weights arrive: the encoder's phase holds both."""
+    image = ("encode-image",) + ALL
+    vae_pool = mp.pool_bytes("encode-image", real["vae"], 1024, 1024, 512)
+    assert real["vae"].features == 512 and round(vae_pool / GB, 2) == 3.06
+    for budget in (80, 24, 16, 12, 8):
+        plain, with_image = mp.make(real, ALL, budget * GB), mp.make(real, image, budget * GB)
+        assert with_image.peak <= budget * GB and all(v <= budget * GB for v in with_image.phases.values())
+        if with_image.resident:
+            assert with_image.peak == plain.peak + real["vae"].total
+        else:          # the encoder's phase: its resident part, the larger pool, the VAE encoder's weights
+            enc = with_image.phases["encode"]
+            resident = real["text_encoder"].total - real["text_encoder"].streamed(with_image.layers("text_encoder"))
+            slots = 2 * real["text_encoder"].slot if with_image.layers("text_encoder") else 0
+            assert enc == resident + slots + vae_pool + real["vae"].total + mp.RESERVE
+    # at 16 GB the text encoder then no longer fits beside it: some of its layers stream, the DiT's plan is the same
+    at16, plain16 = mp.make(real, image, 16 * GB), mp.make(real, ALL, 16 * GB)
+    assert plain16.layers("text_encoder") == () and len(at16.layers("text_encoder")) > 0
+    assert at16.layers("transformer") == plain16.layers("transformer")
+    # planted: the VAE encoder left out of the encoder's phase would overrun a budget that only the image fills
+    tight = plain16.phases["encode"] + 0.5 * GB
+    assert mp.make(real, ALL, tight).layers("text_encoder") == ()
+    assert mp.make(real, image, tight).phases["encode"] <= tight
+    # alone (moss-encode-image): its weights and its pool
+    alone = mp.make(real, ("encode-image",), 8 * GB)
+    assert alone.resident and alone.peak == real["vae"].total + vae_pool + mp.RESERVE
+    with pytest.raises(UsageError, match="below the smallest plan"):
+        mp.make(real, ("encode-image",), 2 * GB)
+
+
+def test_encode_image_and_init_image_print_their_plans(tmp_path):
+    from PIL import Image
+    Image.new("RGB", (64, 48), (200, 40, 10)).save(tmp_path / "in.png")
+    r = run("moss-encode-image", tmp_path / "in.png", "--out", tmp_path / "a.img", "--plan", "--gpu-memory", "16")
+    assert r.code == 0, r.stderr
+    assert r.stdout.decode().strip().startswith("memory plan: 16.0 GB (--gpu-memory), all resident") \
+        and r.stdout.decode().strip().endswith("at 64x48")
+    r = run("moss-image", "--prompt", "x", "--seed", "1", "--picture", tmp_path / "b.png", "--init-image",
+            tmp_path / "in.png", "--plan", "--gpu-memory", "16")
+    assert r.code == 0 and r.stdout.decode().strip().endswith("at 64x48"), r.stderr
+    assert not (tmp_path / "a.img").exists() and not (tmp_path / "b.png").exists()
+
+
+def test_a_stage_whose_weights_cannot_stream_is_refused_when_they_do_not_fit(real):
+    """The decoder (or the VAE encoder) alone streams nothing: a budget below its weights, pool and reserve is
+    refused with the need, never planned past the budget."""
+    need = real["vae"].total + mp.pool_bytes("decode", real["vae"], 1024, 1024, 512) + mp.RESERVE
+    assert mp.make(real, ("decode",), need).peak == need
+    with pytest.raises(UsageError, match=r"below the smallest plan for 1024x1024, 4\.6 GB"):
+        mp.make(real, ("decode",), need - 0.1 * GB)

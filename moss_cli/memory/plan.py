@@ -37,7 +37,8 @@ SLOTS = 2                   # device slots a streamed component's layers rotate 
 HOST_TENSORS = {"text_encoder": ("embed_tokens.weight",)}    # read on the host, never uploaded
 ENV = "MOSS_GPU_MEMORY"
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_COMPONENTS = {"encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+_COMPONENTS = {"encode-image": "vae", "encode": "text_encoder", "denoise": "transformer", "decode": "vae"}
+ORDER = tuple(_COMPONENTS)       # the order a process runs them in: a picture to start from is encoded first
 
 
 def stored_bytes(array, matrix_bytes=2):
@@ -171,6 +172,7 @@ def pool_bytes(stage, weights, width, height, text_tokens):
         return int(POOL_PER_FEATURE * weights.features * text_tokens)
     if stage == "denoise":
         return int(POOL_PER_FEATURE * weights.features * ((width // 16) * (height // 16) + text_tokens))
+    # the VAE's decoder or encoder: `features` is the widest convolution of the two (the encoder's 512 channels)
     return int(POOL_PER_CHANNEL_PIXEL * weights.features * width * height)
 
 
@@ -188,13 +190,15 @@ def reserve_bytes():
 
 def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024, text_tokens=512, reserve=None,
          held=False):
-    """The plan for running `stages` (of encode, denoise, decode) in one process at this size under `budget`
-    bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the graphs;
-    `held`: every component stays loaded for the process's life (a server), so none is released: the encoder's
-    layers stream first, then the DiT's. Raises UsageError when no plan fits."""
+    """The plan for running `stages` (of encode-image, encode, denoise, decode) in one process at this size under
+    `budget` bytes. `weights`: component name -> Weights; `reserve`: the bytes kept for the libraries and the
+    graphs; `held`: every component stays loaded for the process's life (a server), so none is released: the
+    encoder's layers stream first, then the DiT's. encode-image (the VAE encoder, for a picture to start from) runs
+    first, while the text encoder's weights arrive: its weights and its pool count in the encoder's phase (its
+    weights are freed after it, its pool blocks stay in the shared pool). Raises UsageError when no plan fits."""
     reserve = reserve_bytes() if reserve is None else reserve
-    stages = tuple(s for s in ("encode", "denoise", "decode") if s in stages)
-    names = [_COMPONENTS[s] for s in stages]
+    stages = tuple(s for s in ORDER if s in stages)
+    names = list(dict.fromkeys(_COMPONENTS[s] for s in stages))
     # the pool is shared and keeps its blocks: the largest stage's working memory is held from then on; the
     # encoder's phase holds only its own
     pool = max(pool_bytes(s, weights[_COMPONENTS[s]], width, height, text_tokens) for s in stages)
@@ -202,12 +206,16 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
     enc_pool = pool_bytes("encode", enc, width, height, text_tokens) if "encode" in stages else 0
     later = (dit.total if dit and "denoise" in stages else 0) + (vae.total if vae and "decode" in stages else 0)
     first = enc.total if enc and "encode" in stages else 0
+    # the VAE encoder beside the text encoder's phase: its weights (the vae component's, counted whole) and pool
+    image = vae.total if "encode-image" in stages else 0
+    if image:
+        enc_pool = max(enc_pool, pool_bytes("encode-image", vae, width, height, text_tokens))
     counts = {n: len(weights[n].layers) for n in names if n in weights and n != "vae"}
 
     def plan(mode, streamed, peak, phases):
         return Plan(budget, source, stages, mode, streamed, peak, phases, (width, height), counts)
 
-    together = first + later + pool + reserve
+    together = first + later + image + pool + reserve
     if together <= budget:
         return plan("resident", {}, together, {"all": together})
     streamed = {}
@@ -221,10 +229,10 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
             if dit_fit is None:
                 return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
         streamed = {n: f[1] for n, f in (("text_encoder", enc_fit), ("transformer", dit_fit)) if f[1]}
-        need = enc_fit[0] + dit_fit[0] + vae_bytes + pool + reserve
+        need = enc_fit[0] + dit_fit[0] + vae_bytes + image + pool + reserve
         return plan("streamed", streamed, need, {"all": need})
     # the encoder alone, then the DiT (and the decoder) alone: each phase within the budget
-    enc_phase = _fit(enc, budget - enc_pool - reserve) if first else (0, ())
+    enc_phase = _fit(enc, budget - enc_pool - image - reserve) if first else (0, ())
     if enc_phase is None:
         return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
     dit_phase = _fit(dit, budget - pool - reserve - (vae.total if vae and "decode" in stages else 0)) \
@@ -235,12 +243,14 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
         streamed["text_encoder"] = enc_phase[1]
     if dit_phase[1]:
         streamed["transformer"] = dit_phase[1]
-    phases = {"encode": enc_phase[0] + enc_pool + reserve,
+    phases = {"encode": enc_phase[0] + enc_pool + image + reserve,
               "denoise": dit_phase[0] + (vae.total if vae and "decode" in stages else 0) + pool + reserve}
-    if not first:
+    if not first and not image:
         phases.pop("encode")
     if "denoise" not in stages:
         phases["denoise"] = later + pool + reserve
+    if max(phases.values()) > budget:      # what cannot stream (the VAE, the pools) does not fit
+        return _refuse(weights, stages, budget, source, width, height, text_tokens, reserve)
     mode = "streamed" if streamed else "released"
     return plan(mode, streamed, max(phases.values()), phases)
 
@@ -271,7 +281,12 @@ def smallest(weights, stages, width, height, text_tokens=512, reserve=RESERVE):
         floor = w.total - w.streamed(w.layers) + (SLOTS * w.slot if w.layers else 0)
         if stage == "denoise" and "decode" in stages and "vae" in weights:
             floor += weights["vae"].total
-        needs.append(floor + (pool_bytes("encode", weights["text_encoder"], width, height, text_tokens) if stage == "encode" else pool))
+        if stage == "encode" and "encode-image" in stages:       # the VAE encoder runs beside it
+            floor += weights["vae"].total
+            needs.append(floor + max(pool_bytes("encode", w, width, height, text_tokens),
+                                     pool_bytes("encode-image", weights["vae"], width, height, text_tokens)))
+            continue
+        needs.append(floor + (pool_bytes("encode", w, width, height, text_tokens) if stage == "encode" else pool))
     return max(needs) + reserve
 
 
