@@ -9,7 +9,6 @@ VELOCITY_GATE. The kept region: the image's latents exactly, and an all-kept pic
 of the picture's latents within test_vae's pixel gate. `--strength 1` without a mask: text-to-image's bytes.
 """
 
-import io
 import json
 
 import numpy as np
