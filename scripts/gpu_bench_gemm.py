@@ -106,7 +106,7 @@ def main():
     start = time.time()
     old, new = Blas(tune=True, widen=False), Blas(tune=True)
     print("f32 out: with the residual epilogue (beta = 1, C != D) where the encoder uses it; us per call; "
-          f"TFLOP/s of the better new column")
+          "TFLOP/s of the better new column")
     print("| M | shape | K | N | old bf16 (us) | new bf16 | old f32 | new f32 | torch bf16 | new TFLOP/s | "
           "torch/new bf16 | old/new bf16 / f32 | new algo bf16 | new algo f32 | rel diff vs torch |")
     print("|" + "---|" * 15)
