@@ -207,3 +207,15 @@ def test_a_stage_whose_weights_cannot_stream_is_refused_when_they_do_not_fit(rea
     assert mp.make(real, ("decode",), need).peak == need
     with pytest.raises(UsageError, match=r"below the smallest plan for 1024x1024, 4\.6 GB"):
         mp.make(real, ("decode",), need - 0.1 * GB)
+
+
+@pytest.mark.parametrize("budget,fits_2048", [(80, True), (24, False)])
+def test_a_plan_tells_the_need_of_another_picture_size_beside_its_weights(real, budget, fits_2048):
+    """A server's plan (made for 1024x1024) keeps its weights where they are; another size changes only the pool:
+    512 needs no more than 1024, 2048 four times the decoder's pool (12.2 GB), which fits beside the resident
+    weights of an 80 GB card and not beside the 24 GB card's."""
+    plan = mp.make(real, ALL, budget * GB, held=True)
+    assert plan.need_at(1024, 1024) == plan.peak and plan.need_at(512, 512) == plan.peak
+    pool_2048 = mp.pool_bytes("decode", real["vae"], 2048, 2048, 512)
+    assert plan.need_at(2048, 2048) == plan.peak - plan.pool + pool_2048
+    assert (plan.need_at(2048, 2048) <= plan.budget) == fits_2048

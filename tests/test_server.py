@@ -434,3 +434,27 @@ def test_an_adapter_named_at_start_serves_moss_image_lora_pictures(tmp_path):
         engine.close()
         engine.join(WAIT_S)
     assert png == made["lora"] and png != made["base"]
+
+
+def test_a_size_past_the_gpu_memory_plan_is_400_before_any_work(engine, url, monkeypatch):
+    """A GPU server plans its memory for the default size and keeps its weights where the plan put them: a request
+    for a size whose pool would not fit beside them is refused with 400 (param size), uncomputed, and a smaller one
+    still served. The plan is the tiny checkpoint's, made for 64x64 under a budget 1 KB above its need."""
+    from moss_cli import stages
+    from moss_cli.memory import plan as mp
+    ckpt = open_checkpoint()
+    weights = {stages.PLAN_COMPONENTS[s]: mp.component_weights(ckpt.component(stages.PLAN_COMPONENTS[s]))
+               for s in batch.STAGES}
+    need = mp.make(weights, batch.STAGES, 1 << 40, width=64, height=64, reserve=0, held=True).peak
+    plan = mp.make(weights, batch.STAGES, need + 1000, width=64, height=64, reserve=0, held=True)
+    assert plan.need_at(64, 64) == need and plan.need_at(32, 32) == need and plan.need_at(64, 96) > need + 1000
+    made = engine.made
+    monkeypatch.setattr(engine, "plan", plan)
+    r = post(url, {"prompt": "a fox", **SMALL, "size": "64x96"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "size" and "64x96" in error["message"] \
+        and "--gpu-memory" in error["message"]
+    assert post(url, {"prompt": "a fox", **TINY}).status_code == 200 and engine.made == made + 1
+    # planted: without the plan the same request is made
+    monkeypatch.setattr(engine, "plan", None)
+    assert post(url, {"prompt": "a fox", **TINY, "size": "64x96"}).status_code == 200

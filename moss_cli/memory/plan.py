@@ -122,6 +122,9 @@ class Plan:
     phases: dict                        # phase -> bytes (what each part of the run holds at once)
     size: tuple                         # (width, height) the pool was planned for
     layer_counts: dict                  # component name -> its layers, for the components the stages load
+    pool: int = 0                       # the pool's part of the peak, at `size`
+    weights: dict = field(default=None, repr=False, compare=False)    # what it was made from (pool_at)
+    text_tokens: int = 512
 
     def layers(self, component):
         return self.streamed.get(component, ())
@@ -129,6 +132,14 @@ class Plan:
     @property
     def resident(self):
         return self.mode == "resident"
+
+    def need_at(self, width, height):
+        """The peak of the weights as this plan holds them, with the pool another picture size needs: a process
+        planned for one size (a server) takes a request of another only where this fits the budget."""
+        if self.weights is None:
+            return self.peak
+        pool = max(pool_bytes(s, self.weights[_COMPONENTS[s]], width, height, self.text_tokens) for s in self.stages)
+        return self.peak - self.pool + max(pool, self.pool)
 
     def line(self):
         """The plan in one line (stderr)."""
@@ -213,7 +224,8 @@ def make(weights, stages, budget, source="--gpu-memory", width=1024, height=1024
     counts = {n: len(weights[n].layers) for n in names if n in weights and n != "vae"}
 
     def plan(mode, streamed, peak, phases):
-        return Plan(budget, source, stages, mode, streamed, peak, phases, (width, height), counts)
+        return Plan(budget, source, stages, mode, streamed, peak, phases, (width, height), counts, pool, weights,
+                    text_tokens)
 
     together = first + later + image + pool + reserve
     if together <= budget:

@@ -226,6 +226,8 @@ def create_app(engine, api_key=None, kept=None):
             return waiting.result()
         except Unavailable as e:
             raise ApiError(503, str(e), kind="server_error", code="unavailable") from None
+        except UsageError as e:      # a size past the memory plan, found once the plan was made
+            raise ApiError(400, str(e), param="size", code="invalid_value") from None
         except MossError as e:
             raise ApiError(500, str(e), kind="server_error", code="picture_failed") from None
         except Exception as e:       # a failure inside the picture fails this request, never the server

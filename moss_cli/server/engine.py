@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from .. import batch, lora, stages
 from ..device import resolve
 from ..errors import MossError, UsageError
+from ..memory.plan import size_text
 from ..png import encode_png
 from ..progress import Silent
 
@@ -114,6 +115,7 @@ class Engine:
         self.made = 0                   # pictures made for requests (the warm-up not counted)
         self.dropped = 0                # requests withdrawn before their turn, never computed
         self.seconds = None             # the last picture's time, for Retry-After
+        self.plan = None                # the GPU memory plan once loaded (None on the CPU)
         self._queue = collections.deque()
         self._running = None
         self._closed = False
@@ -153,7 +155,19 @@ class Engine:
                                   ("steps", options.steps, MAX_STEPS)):
             if value > most:
                 raise UsageError(f"--{name} {value}: the server takes at most {most}")
+        self.check_size(options.width, options.height)
         return Request(prompt, negative, options, count, adapters=adapters)
+
+    def check_size(self, width, height):
+        """Refuse a picture size whose pool would not fit the GPU memory plan beside the weights it holds (the plan
+        was made for the default size; the weights stay where it put them)."""
+        plan = self.plan
+        if plan is None or plan.need_at(width, height) <= plan.budget:
+            return
+        need = size_text(plan.need_at(width, height))
+        raise UsageError(f"--width {width}: {width}x{height} needs {need} of GPU memory beside this server's weights, "
+                         f"past its budget of {size_text(plan.budget)} (planned for {plan.size[0]}x{plan.size[1]}); "
+                         "ask for a smaller size, or start the server with more --gpu-memory")
 
     def choose(self, choices):
         """The adapters of CHOICES, [(name, scale or None)], in its order and at its scales (None: the scale given at
@@ -262,8 +276,10 @@ class Engine:
 
     def _load(self):
         defaults = stages.sampling_defaults(self.checkpoint)     # the plan is made for the default size
-        self.model_for, _ = batch.open_models(self.checkpoint, self.device, self.progress, self.gpu_memory,
-                                              (defaults["width"], defaults["height"]), held=True)
+        self.model_for, chosen = batch.open_models(self.checkpoint, self.device, self.progress, self.gpu_memory,
+                                                   (defaults["width"], defaults["height"]), held=True)
+        if "cuda" in chosen.values():
+            self.plan = self.model_for(next(s for s, d in chosen.items() if d == "cuda")).plan
         for stage, part in batch.COMPONENTS.items():
             getattr(self.model_for(stage), part)
         if self.warm:
@@ -274,6 +290,7 @@ class Engine:
         self.progress.note("ready")
 
     def _make(self, request):
+        self.check_size(request.options.width, request.options.height)     # a request queued while loading
         self._use(self.at_start if request.adapters is None else self.at_start.with_adapters(request.adapters))
         pictures = []
         for picture in self._pictures(request.prompt, request.negative, request.options, request.count):
