@@ -200,14 +200,14 @@ def main():
             for name, attrs in (("qk_words4", {"qk_width": 2}), ("qk_group1", {"qk_group": 1}), ("again", {})):
                 for key, value in attrs.items():
                     setattr(dit.ops, key, value)
-                dit._graphs = {}
+                dit._graphs.clear()
                 dit.sample(noise, sig[:3], cond, uncond, 3.0, SKIP, 0.01, 1.0)
                 dit.sample(noise, sig, cond, uncond, 3.0, SKIP, 0.01, 1.0)
                 row[f"ours_{name}_ms"] = dit.timings["gpu_s"] / dit.timings["steps"] * 1e3
                 for key in attrs:
                     setattr(dit.ops, key, None)
                 print(f"1024x1024 {name} {attrs}: {row[f'ours_{name}_ms']:.1f} ms/step", flush=True)
-            dit._graphs = {}
+            dit._graphs.clear()
         if trajectory_ms:
             print(f"{size}x{size}: 50 steps, ms each: first 5 {[round(t, 1) for t in trajectory_ms[:5]]}, last 5 "
                   f"{[round(t, 1) for t in trajectory_ms[-5:]]}", flush=True)

@@ -11,6 +11,7 @@ texts of the last few distinct prompts are kept, so a later picture of the same 
 prompt after the first) skips the refiner.
 """
 
+import collections
 import time
 
 import numpy as np
@@ -33,7 +34,12 @@ def _owned(text):
 
 
 class CudaDenoiser:
-    """MossTransformer on the CUDA op table with a graph-per-step sampler (`sample`)."""
+    """MossTransformer on the CUDA op table with a graph-per-step sampler (`sample`).
+
+    A step graph is captured per (size, text lengths, pass kind); the KEEP_GRAPHS used last are kept (a server sees
+    prompts of many lengths), and with the graphs that go, the text slots and size buffers no kept graph reads."""
+
+    KEEP_GRAPHS = 8
 
     def __init__(self, tensors, config, streamed=()):
         self.ops = CudaOps()
@@ -42,7 +48,7 @@ class CudaDenoiser:
             self.ops.window = make_window(tensors, self.model.weight_names(), streamed)
         self.num_layers = self.model.num_layers
         self.config = self.model.config
-        self._graphs = {}
+        self._graphs = collections.OrderedDict()      # key -> (graph, its kept uploads, what it reads)
         self._stream = None
         self._fixed = {}
         self._slots = {}
@@ -82,22 +88,43 @@ class CudaDenoiser:
             u = model.tokens_velocity(tokens, n, mod, head, cos, sin, uncond, skip)
         dit.cfg_euler(x, c, u, velocity, step[freq:], cfg=cfg, stream=ops.stream)
 
-    def _graph(self, key, size, x, step, cond, uncond, skip, cfg, velocity):
-        if key not in self._graphs:
-            scratch = cuda.device_array_like(x)
-            scratch.copy_to_device(x)
-            graph, stream, _ = planned_capture(        # the eager step compiles, plans the products and the blocks
-                self.ops, lambda: self._step(size, scratch, step, cond, uncond, skip, cfg, velocity),
-                lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
-            if self._stream is None:
-                self._stream = stream        # every graph replays on this one stream, in step order
-            self._graphs[key] = (graph, self.ops.kept)
-        return self._graphs[key][0]
+    def _graph(self, key, size, x, step, cond, uncond, skip, cfg, velocity, reads):
+        """The step graph of `key`, captured on first use; `reads`: the keys of the text slots and size buffers it
+        reads (kept while it is)."""
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key][0]
+        scratch = cuda.device_array_like(x)
+        scratch.copy_to_device(x)
+        graph, stream, _ = planned_capture(        # the eager step compiles, plans the products and the blocks
+            self.ops, lambda: self._step(size, scratch, step, cond, uncond, skip, cfg, velocity),
+            lambda: self._step(size, x, step, cond, uncond, skip, cfg, velocity))
+        if self._stream is None:
+            self._stream = stream        # every graph replays on this one stream, in step order
+        self._graphs[key] = (graph, self.ops.kept, frozenset(reads))
+        self._evict()
+        return graph
+
+    def _evict(self):
+        """Drop the graphs used least recently past KEEP_GRAPHS, then the slots and buffers no kept graph reads (a
+        trajectory's graphs are the last used: every earlier trajectory has finished, its stream synchronized)."""
+        if len(self._graphs) <= self.KEEP_GRAPHS:
+            return
+        while len(self._graphs) > self.KEEP_GRAPHS:
+            self._graphs.popitem(last=False)
+        read = set().union(*(r for _, _, r in self._graphs.values()))
+        for store in (self._slots, self._fixed):
+            for key in [k for k in store if k not in read]:
+                del store[key]
+
+    @staticmethod
+    def _slot_key(role, text):
+        return (role, tuple(text.tokens.shape), np.dtype(text.tokens.dtype).str)
 
     def _slot(self, role, text):
         """The fixed buffer the graphs read the `role` pass's text of this length from, holding `text`."""
-        shape, dtype = tuple(text.tokens.shape), np.dtype(text.tokens.dtype)
-        key = (role, shape, dtype.str)
+        key = self._slot_key(role, text)
+        shape, dtype = key[1], np.dtype(text.tokens.dtype)
         if key not in self._slots:
             self._slots[key] = Text(cuda.device_array(shape, dtype), text.length)
         slot = self._slots[key]
@@ -136,6 +163,7 @@ class CudaDenoiser:
         x, step, velocity = self._buffers(ch, h, w)
         step.copy_to_device(table_d[0])
         x.copy_to_device(np.ascontiguousarray(noise, np.float32).reshape(ch, h * w))
+        reads = {(ch, h, w), self._slot_key("cond", cond)} | ({self._slot_key("uncond", uncond)} if cfg else set())
         cond = self._slot("cond", cond)
         uncond = self._slot("uncond", uncond) if cfg else cond
         cuda.synchronize()        # the tokens are in place before any replay reads them
@@ -146,7 +174,7 @@ class CudaDenoiser:
         for kind in kinds:
             if kind not in graphs:
                 key = (ch, h, w, lengths, cfg, kind)
-                graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity)
+                graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity, reads)
         began = time.perf_counter()
         start, stop = cuda.event(), cuda.event()
         stream = self._stream

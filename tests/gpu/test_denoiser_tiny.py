@@ -115,6 +115,19 @@ def test_a_new_prompt_of_the_same_lengths_replays_the_captured_graphs(component)
     assert first.tobytes() != second.tobytes()
 
 
+def test_graphs_past_the_limit_go_and_a_size_captured_again_gives_the_same_bytes(component):
+    """Two step graphs kept: the 6x8 trajectory's graphs push out the 4x4 ones and their size buffers; the 4x4
+    trajectory then captures again and its latents equal the first 4x4 trajectory's and a fresh denoiser's."""
+    dit = _denoiser(component)
+    dit.KEEP_GRAPHS = 2
+    _, _, first = _gpu_trace(component, 4, 4, dit=dit)
+    _gpu_trace(component, 6, 8, dit=dit)
+    assert len(dit._graphs) == 2 and set(dit._fixed) == {(128, 6, 8)}
+    _, _, again = _gpu_trace(component, 4, 4, dit=dit)
+    _, _, fresh = _gpu_trace(component, 4, 4)
+    assert again.tobytes() == first.tobytes() == fresh.tobytes()
+
+
 def test_a_prompt_seen_before_reuses_its_refined_text_and_gives_the_same_bytes(component):
     """A, B, then A again on one denoiser: the third trajectory's texts come from the kept copies (no
     refiner run), and its latents equal the first's byte for byte, so the kept tokens are the refiner's and
