@@ -17,7 +17,6 @@ inputs (so each error is the op's, not accumulated), and prints the worst per op
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from graph_timing import replay_ms  # noqa: E402
 
 SMALL = {"block_out_channels": [128, 256, 512, 512], "decoder_block_out_channels": [96, 192, 384, 384],
          "latent_channels": 32, "norm_num_groups": 32, "layers_per_block": 2, "patch_size": [2, 2],
@@ -58,21 +59,8 @@ def off(a, b):
 
 
 def ours_ms(dec, latents, calls):
-    from numba import cuda
     dec.decode(latents)
-    c = dec._captured[latents.shape[2:]]
-    for _ in range(3):
-        c.graph.launch(c.stream)
-    c.queue.synchronize()
-    times = []
-    for _ in range(calls):
-        start, stop = cuda.event(), cuda.event()
-        start.record(c.queue)
-        c.graph.launch(c.stream)
-        stop.record(c.queue)
-        stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop))
-    return statistics.median(times)
+    return replay_ms(dec._captured[latents.shape[2:]], calls)
 
 
 def variants_ms(tensors, latents, calls):

@@ -12,7 +12,6 @@ of each against diffusers' float64 on the GPU: relative L2 error and max |error|
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import zlib
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import make_real_checkpoint as real  # noqa: E402
+from graph_timing import replay_ms  # noqa: E402
 import make_tiny_checkpoint as tiny  # noqa: E402
 
 REAL = real.vae_config(1)
@@ -51,21 +51,8 @@ def picture(size):
 
 
 def ours_ms(enc, image, calls):
-    from numba import cuda
     enc(image)
-    c = enc._captured[image.shape]
-    for _ in range(3):
-        c.graph.launch(c.stream)
-    c.queue.synchronize()
-    times = []
-    for _ in range(calls):
-        start, stop = cuda.event(), cuda.event()
-        start.record(c.queue)
-        c.graph.launch(c.stream)
-        stop.record(c.queue)
-        stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop))
-    return statistics.median(times)
+    return replay_ms(enc._captured[image.shape], calls)
 
 
 def official(model, image):

@@ -53,6 +53,22 @@ def start_process(*args, env=None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
+@contextlib.contextmanager
+def ready_process(*args, env=None):
+    """(url, process) of `moss-server ARGS --port P` started on a free port and ready; killed on the way out if it
+    is still running (a test that stops it checks its exit itself)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_process(*args, "--port", port, env=env)
+    try:
+        wait_ready(url, server)
+        yield url, server
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(WAIT_S)
+
+
 def run_process(*args, env=None, timeout=WAIT_S):
     """`moss-server ARGS` run to its end: a cli_util.Result."""
     from cli_util import Result

@@ -10,6 +10,7 @@ rounded, a fused layer's rows taken from its first part, each changes the merged
 from sim_util import simulated_lines
 
 SCRIPT = r'''
+import sys
 import tempfile
 from pathlib import Path
 import ml_dtypes
@@ -20,6 +21,9 @@ from moss_cli.gpu import lora_merge as cuda_lora
 from moss_cli.ops.cuda.table import CudaOps
 from moss_cli.gpu.capture import make_window
 from moss_cli.memory.host_weights import stored_form
+
+sys.path.insert(0, "tests")
+import held_weights
 
 BF16 = ml_dtypes.bfloat16
 rng = np.random.default_rng(0)
@@ -73,22 +77,7 @@ B2 = lora.read(files[1], 0.5, shapes)
 
 
 def device_bits(ops):
-    out = {}
-    for entry in names:
-        parts = entry if isinstance(entry, tuple) else (entry,)
-        if tensors[parts[0]].ndim != 2:
-            continue
-        if entry in ops.window.layout:
-            layer, offset, (rows, cols), counts = ops.window.layout[entry]
-            bits = ops.window.host[layer][offset:offset + rows * cols * 2].view(np.uint16).reshape(rows, cols)
-        else:
-            held = ops.params(tensors, entry).weight if isinstance(entry, tuple) else ops.param(tensors, entry)
-            bits = held.copy_to_host()
-        row = 0
-        for part in parts:
-            out[part] = bits[row:row + tensors[part].shape[0]].copy()
-            row += tensors[part].shape[0]
-    return out
+    return held_weights.device_bits(ops, tensors, names)
 
 
 def host_bits(adapters):

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import cuda_kernels
-from server_util import WAIT_S, free_port, start_process, wait_ready
+import held_weights
+from server_util import WAIT_S, ready_process
 
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
@@ -75,22 +76,7 @@ def files(tmp_path_factory):
 
 def device_bits(runner, tensors):
     """{name: bf16 bits} of every 2-D weight as the runner holds it (resident or in its streamed arenas)."""
-    ops, out = runner.ops, {}
-    for entry in runner.model.weight_names():
-        parts = entry if isinstance(entry, tuple) else (entry,)
-        if np.ndim(tensors[parts[0]]) != 2:
-            continue
-        if ops.window is not None and entry in ops.window.layout:
-            layer, offset, (rows, cols), _ = ops.window.layout[entry]
-            bits = ops.window.host[layer][offset:offset + rows * cols * 2].view(np.uint16).reshape(rows, cols)
-        else:
-            held = ops.params(tensors, entry).weight if isinstance(entry, tuple) else ops.param(tensors, entry)
-            bits = held.copy_to_host()
-        row = 0
-        for part in parts:
-            out[part] = np.array(bits[row:row + tensors[part].shape[0]])
-            row += tensors[part].shape[0]
-    return out
+    return held_weights.device_bits(runner.ops, tensors, runner.model.weight_names())
 
 
 def count_off(got, want):
@@ -177,12 +163,8 @@ def test_moss_image_on_the_gpu_with_an_adapter_at_scale_0_is_the_base_picture(fi
 def test_the_gpu_server_switching_sets_serves_moss_images_pngs(files, tmp_path):
     sets = {"start": [f"{files['dit']}:0.5"], "base": [], "both": [f"{files['dit']}:1", f"{files['te']}:0.7"]}
     want = {key: _image(tmp_path / f"{key}.png", *specs) for key, specs in sets.items()}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_process("--device", "cuda", "--port", port, "--lora", f"style={files['dit']}:0.5",
-                           "--lora", f"te={files['te']}:0", "--quiet")
-    try:
-        wait_ready(url, server)
+    with ready_process("--device", "cuda", "--lora", f"style={files['dit']}:0.5", "--lora", f"te={files['te']}:0",
+                       "--quiet") as (url, server):
         for lora, key in ((None, "start"), ([], "base"), ([{"name": "style", "scale": 1.0},
                                                           {"name": "te", "scale": 0.7}], "both"), (None, "start")):
             body = {"prompt": "a red fox", "seed": 7, "num_inference_steps": 3, "size": "64x48"}
@@ -193,7 +175,3 @@ def test_the_gpu_server_switching_sets_serves_moss_images_pngs(files, tmp_path):
             assert base64.b64decode(r.json()["data"][0]["b64_json"]) == want[key], key
         server.send_signal(signal.SIGTERM)
         assert server.wait(WAIT_S) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(WAIT_S)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 import cuda_kernels
-from server_util import WAIT_S, free_port, start_process, wait_ready
+from server_util import WAIT_S, ready_process
 
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
@@ -24,11 +24,7 @@ def test_the_gpu_server_serves_moss_images_bytes(tmp_path):
                         str(tmp_path / "fox-{seed}.png"), "--quiet"], capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     fox = {seed: (tmp_path / f"fox-{seed}.png").read_bytes() for seed in (7, 8)}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_process("--device", "cuda", "--port", port, "--quiet")
-    try:
-        wait_ready(url, server)
+    with ready_process("--device", "cuda", "--quiet") as (url, server):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=WAIT_S)
         for prompt in ("a red fox", "a lighthouse on a cliff at dusk, oil on canvas", "a red fox"):
             result = client.images.generate(model="tiny", prompt=prompt, n=2,
@@ -42,7 +38,3 @@ def test_the_gpu_server_serves_moss_images_bytes(tmp_path):
             {"encode": "cuda", "denoise": "cuda", "decode": "cuda"}
         server.send_signal(signal.SIGTERM)
         assert server.wait(WAIT_S) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(WAIT_S)
