@@ -126,7 +126,9 @@ for step in "$@"; do
           if [ "$step" = kernels ]; then
             rec=$(mktemp -d)
             long=$(python3 -c 'print(", ".join(["a red fox in the snow, morning light, detailed fur"] * 90))')
-            for args in "" "--init-image $rec/p.png --strength 0.5" "--model $model" "--model $model --width 512 --height 512" \
+            # a rank-4 adapter on every DiT matrix of the tiny checkpoint: the GPU merge's kernels recorded too
+            python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_lora; from moss_cli.checkpoint import open_checkpoint; gpu_lora.make_adapter(open_checkpoint(), 4, '$rec/lora.safetensors')"
+            for args in "" "--init-image $rec/p.png --strength 0.5" "--lora $rec/lora.safetensors" "--model $model" "--model $model --width 512 --height 512" \
                         "--model $model --width 2048 --height 2048" "--model $model --gpu-memory 12" \
                         "--model $model --width 512 --height 512 --guidance 1"; do
               echo "recording: moss-image $args" | tee -a "$OUT/kernels.txt"
