@@ -1,6 +1,5 @@
 """The five commands. Each reads its inputs, calls a stage function, and writes its artifact."""
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -186,18 +185,6 @@ def _sampling(checkpoint, progress, seed, steps, guidance, width, height, shift,
 LITERAL = "--strength 1 without --mask keeps nothing of the picture: this is text-to-image"
 
 
-def _check_start(init, strength, mask):
-    """--strength and --mask only with a picture to start from; the strength in (0, 1]."""
-    if init is None and mask is not None:
-        raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
-    if init is None and strength is not None:
-        raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat (moss-image: --init-image)")
-    strength = stages.DEFAULT_STRENGTH if strength is None else strength
-    if not (math.isfinite(strength) and 0 < strength <= 1):
-        raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
-    return strength
-
-
 def _start(image, strength, mask, progress):
     """The stages.Init of an IMAGE artifact with the strength and the mask picture (or None)."""
     start = stages.start_from(image, strength, mask)
@@ -322,7 +309,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     artifacts.check_writable(out)
     if trace:
         artifacts.check_writable(trace)
-    strength = _check_start(init, strength, mask)
+    strength = stages.check_start(init, strength, mask)
     if init == "-" and enc == "-":
         raise UsageError("ENC and --init cannot both be stdin")
     artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []),
@@ -435,7 +422,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")
     source = mask_picture = None
-    strength = _check_start(init_image, strength, mask)
+    strength = stages.check_start(init_image, strength, mask)
     if init_image is not None:
         source = pictures_in.read(init_image)
         mask_picture = None if mask is None else pictures_in.read(mask)

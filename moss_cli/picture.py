@@ -66,9 +66,14 @@ class Picture:
 
 def read(path):
     """The Picture of PATH ('-' for stdin), loaded in full so a truncated file fails here."""
-    from PIL import Image, UnidentifiedImageError
     from .artifacts import read_input
     data, source = read_input(path, "a picture", "a picture", PictureError)
+    return from_bytes(data, source)
+
+
+def from_bytes(data, source):
+    """The Picture of a file's bytes (SOURCE names it in errors), loaded in full."""
+    from PIL import Image, UnidentifiedImageError
     if not data:
         raise PictureError(f"{source}: empty, not a picture")
     try:

@@ -518,6 +518,18 @@ class Init:
         return self.strength == 1.0 and self.mask is None
 
 
+def check_start(init, strength, mask):
+    """--strength and --mask only with a picture to start from; the strength in (0, 1] (default DEFAULT_STRENGTH)."""
+    if init is None and mask is not None:
+        raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
+    if init is None and strength is not None:
+        raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat (moss-image: --init-image)")
+    strength = DEFAULT_STRENGTH if strength is None else strength
+    if not (math.isfinite(strength) and 0 < strength <= 1):
+        raise UsageError(f"--strength {strength:g}: must be in (0, 1]")
+    return strength
+
+
 def start_from(image, strength, mask_picture=None):
     """The Init of an IMAGE artifact, a strength (schedule.cut checks it) and an optional mask picture of the
     source picture's size."""

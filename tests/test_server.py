@@ -458,3 +458,45 @@ def test_a_size_past_the_gpu_memory_plan_is_400_before_any_work(engine, url, mon
     # planted: without the plan the same request is made
     monkeypatch.setattr(engine, "plan", None)
     assert post(url, {"prompt": "a fox", **TINY, "size": "64x96"}).status_code == 200
+
+
+def test_the_native_endpoint_starts_from_a_picture_as_moss_image_init_image_does(url, fox, tmp_path):
+    """init_image (and mask) in base64 with a strength: the PNG equals moss-image --init-image (--mask) byte for
+    byte; the size is the picture's unless given."""
+    (tmp_path / "in.png").write_bytes(fox[7])
+    mask = np.zeros((48, 64, 3), np.uint8)
+    mask[:, 32:] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    for extra, args in (({"strength": 0.5}, ["--strength", "0.5"]),
+                        ({"mask": base64.b64encode((tmp_path / "mask.png").read_bytes()).decode()},
+                         ["--mask", tmp_path / "mask.png"])):
+        out = tmp_path / "want.png"
+        r = run("moss-image", "--prompt", "a fox in the snow", "--seed", 3, "--steps", 4, "--init-image",
+                tmp_path / "in.png", *args, "--picture", out, "--quiet")
+        assert r.code == 0, r.stderr
+        got = post(url, {"prompt": "a fox in the snow", "seed": 3, "steps": 4,
+                         "init_image": base64.b64encode(fox[7]).decode(), **extra}, path="/v1/moss/image")
+        assert got.status_code == 200, got.text
+        assert got.content == out.read_bytes()
+        params = json.loads(Image.open(io.BytesIO(got.content)).text["parameters"])
+        assert (params["width"], params["height"]) == (64, 48) and params["picture_sha256"]
+
+
+@pytest.mark.parametrize("change,param,says", [
+    ({"mask": "aGVsbG8="}, "mask", "needs a picture to keep"),
+    ({"strength": 0.5}, "strength", "needs a picture to start from"),
+    ({"init_image": "FOX", "strength": 1.5}, "strength", "must be in (0, 1]"),
+    ({"init_image": "not base64!"}, "init_image", "not base64"),
+    ({"init_image": base64.b64encode(b"hello").decode()}, "init_image", "not a PNG, JPEG or WebP"),
+    ({"init_image": "FOX", "mask": "SMALL"}, "mask", "give a mask of the picture's size"),
+])
+def test_a_bad_picture_to_start_from_gets_400_naming_its_field(engine, url, fox, change, param, says):
+    small = io.BytesIO()
+    Image.new("L", (32, 32)).save(small, format="PNG")
+    files = {"FOX": base64.b64encode(fox[7]).decode(), "SMALL": base64.b64encode(small.getvalue()).decode()}
+    made = engine.made
+    r = post(url, {"prompt": "a fox", "steps": 1, **{k: files.get(v, v) for k, v in change.items()}},
+             path="/v1/moss/image")
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and says in error["message"], error
+    assert engine.made == made

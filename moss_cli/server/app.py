@@ -6,6 +6,7 @@ errors leave in OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 
 import asyncio
 import base64
+import binascii
 import hmac
 import json
 import secrets
@@ -17,10 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .. import stages
-from ..errors import MossError, UsageError
+from ..errors import MossError, PictureError, UsageError
 from .engine import Busy, Unavailable
 
-MAX_BODY = 1 << 20          # bytes of a request body
+MAX_BODY = 1 << 25          # bytes of a request body (a picture to start from, in base64, among them)
 KEEP_URLS = 64              # pictures kept for response_format url ...
 URL_SECONDS = 600           # ... and for how long
 POLL_SECONDS = 0.2          # how often a waiting request looks whether its client is still there
@@ -81,6 +82,9 @@ class Native(_Request):
     width: Optional[int] = None
     height: Optional[int] = None
     noise: Literal["avx2", "generic"] = "avx2"
+    init_image: Optional[str] = None        # a PNG, JPEG or WebP file in base64: moss-image --init-image
+    strength: Optional[float] = None
+    mask: Optional[str] = None              # the same, white repaints: moss-image --mask
 
 
 # the request field that each of SamplingOptions.check's options comes from
@@ -91,7 +95,8 @@ OPENAI_FIELDS = {"--width": "size", "--height": "size", "--steps": "num_inferenc
 NATIVE_FIELDS = {"--width": "width", "--height": "height", "--steps": "steps", "--guidance": "guidance",
                  "--shift": "shift", "--seed": "seed", "--skip-start": "skip_start", "--skip-stop": "skip_stop",
                  "--uncond-skip-layers": "uncond_skip_layers", "prompt": "prompt", "negative": "negative",
-                 "lora": "lora"}
+                 "lora": "lora", "--strength": "strength", "--mask": "mask", "init_image": "init_image",
+                 "mask": "mask"}
 
 
 class Kept:
@@ -137,6 +142,16 @@ def _size(text, defaults):
         raise ApiError(400, f"size {text!r}: give WIDTHxHEIGHT, e.g. 1024x1024, or auto", param="size",
                        code="invalid_size")
     return int(w), int(h)
+
+
+def _file(text, field):
+    """The bytes of a file sent in base64 (None stays None)."""
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{field}: not base64", param=field, code="invalid_value") from None
 
 
 def _usage(error, fields):
@@ -203,7 +218,7 @@ def create_app(engine, api_key=None, kept=None):
     def make(fields, **given):
         try:
             return engine.request(**given)
-        except UsageError as e:
+        except (UsageError, PictureError) as e:
             raise _usage(e, fields) from None
 
     async def pictures(request, job):
@@ -259,7 +274,8 @@ def create_app(engine, api_key=None, kept=None):
         job = make(NATIVE_FIELDS, prompt=req.prompt, negative=req.negative, seed=req.seed, steps=req.steps,
                    guidance=req.guidance, width=req.width, height=req.height, shift=req.shift,
                    uncond_skip_layers=_skip_layers(req.uncond_skip_layers), skip_start=req.skip_start,
-                   skip_stop=req.skip_stop, noise=req.noise, lora=_lora(req.lora))
+                   skip_stop=req.skip_stop, noise=req.noise, lora=_lora(req.lora),
+                   init_image=_file(req.init_image, "init_image"), strength=req.strength, mask=_file(req.mask, "mask"))
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .. import batch, lora, stages
+from .. import artifacts, batch, lora, picture, stages
 from ..device import resolve
 from ..errors import MossError, UsageError
 from ..memory.plan import size_text
@@ -65,6 +65,7 @@ class Request:
     options: stages.SamplingOptions
     count: int = 1
     adapters: tuple = None      # the lora.Adapters to merge, in order (None: those given at start)
+    start: tuple = None         # a picture to start from: (picture.Picture, strength, mask Picture or None)
     future: Future = dataclasses.field(default_factory=Future)
     withdrawn: bool = False     # set when the client left while the request was being made: no more pictures
 
@@ -138,10 +139,13 @@ class Engine:
         the rest (the defaults moss-image takes)."""
         return stages.sampling_options(self.checkpoint, seed, **given)
 
-    def request(self, prompt, negative=stages.DEFAULT_NEGATIVE, seed=None, count=1, lora=None, **given):
+    def request(self, prompt, negative=stages.DEFAULT_NEGATIVE, seed=None, count=1, lora=None, init_image=None,
+                strength=None, mask=None, **given):
         """A checked Request of COUNT pictures (seeds seed .. seed + count - 1; a seed drawn when None), the
-        adapters `lora` picks (see `choose`), the other options as `options` takes them."""
+        adapters `lora` picks (see `choose`), a picture to start from (INIT_IMAGE, MASK: a PNG, JPEG or WebP file's
+        bytes; STRENGTH, as moss-image --init-image takes them), the other options as `options` takes them."""
         adapters = self.choose(lora)
+        start = self._start(init_image, strength, mask, given)
         for name, text in (("prompt", prompt), ("negative", negative)):
             if len(text) > MAX_PROMPT:
                 raise UsageError(f"{name}: {len(text)} characters, more than the {MAX_PROMPT} a request may hold")
@@ -156,7 +160,22 @@ class Engine:
             if value > most:
                 raise UsageError(f"--{name} {value}: the server takes at most {most}")
         self.check_size(options.width, options.height)
-        return Request(prompt, negative, options, count, adapters=adapters)
+        return Request(prompt, negative, options, count, adapters=adapters, start=start)
+
+    @staticmethod
+    def _start(init_image, strength, mask, given):
+        """(Picture, strength, mask Picture) of a request that starts from a picture, else None; the picture's size
+        (floored to multiples of 16) goes into GIVEN's width and height where they are not given."""
+        strength = stages.check_start(init_image, strength, mask)
+        if init_image is None:
+            return None
+        source = picture.from_bytes(init_image, "init_image")
+        shape = None if mask is None else picture.from_bytes(mask, "mask")
+        if shape is not None and shape.size != source.size:
+            raise UsageError(f"--mask: the mask is {shape.size[0]}x{shape.size[1]}, the picture "
+                             f"{source.size[0]}x{source.size[1]}; give a mask of the picture's size")
+        given["width"], given["height"] = source.target(given.get("width"), given.get("height"))
+        return source, strength, shape
 
     def check_size(self, width, height):
         """Refuse a picture size whose pool would not fit the GPU memory plan beside the weights it holds (the plan
@@ -292,13 +311,28 @@ class Engine:
     def _make(self, request):
         self.check_size(request.options.width, request.options.height)     # a request queued while loading
         self._use(self.at_start if request.adapters is None else self.at_start.with_adapters(request.adapters))
-        pictures = []
-        for picture in self._pictures(request.prompt, request.negative, request.options, request.count):
-            pictures.append(picture)
+        init = self._init(request)
+        made = []
+        for each in self._pictures(request.prompt, request.negative, request.options, request.count, init):
+            made.append(each)
             self.made += 1
             if request.withdrawn:
                 break
-        return pictures
+        return made
+
+    def _init(self, request):
+        """The stages.Init of a request's picture to start from, encoded as moss-image --init-image encodes it (the
+        VAE encoder on the encoder stage's device); None for text-to-image, a strength of 1 without a mask too."""
+        if request.start is None:
+            return None
+        source, strength, shape = request.start
+        if strength == 1.0 and shape is None:
+            self.progress.note("strength 1 without a mask keeps nothing of the picture: this is text-to-image")
+            return None
+        options = request.options
+        encoded = stages.encode_image(self.model_for("encode-image"), source, options.width, options.height)
+        image = artifacts.parse(encoded, "picture encoding", "encode-image", self.fingerprint)
+        return stages.start_from(image, strength, shape)
 
     def _use(self, checkpoint):
         """Go on with CHECKPOINT's adapter set (Model.use on every model), its switch time noted."""
@@ -327,8 +361,9 @@ class Engine:
             return waiting.seed
         return None
 
-    def _pictures(self, prompt, negative, options, count):
-        """The COUNT pictures of a prompt, seeds options.seed + i, one at a time (a generator)."""
+    def _pictures(self, prompt, negative, options, count, init=None):
+        """The COUNT pictures of a prompt, seeds options.seed + i, one at a time (a generator); INIT: a
+        stages.Init to start from."""
         key = (self.fingerprint, prompt, negative if options.cfg else None)
         found = self._prompts.get(key)
         if found is None:
@@ -340,7 +375,8 @@ class Engine:
             began = time.perf_counter()
             self.progress.start_clock()
             _, pixels, text = batch.made(self.model_for, enc, dataclasses.replace(options, seed=seed), self.fingerprint,
-                                         next_seed=seeds[i + 1] if i + 1 < count else self._next_seed(options))
+                                         next_seed=seeds[i + 1] if i + 1 < count else self._next_seed(options),
+                                         init=init)
             png = encode_png(pixels, text)
             self.seconds = time.perf_counter() - began
             yield Picture(seed, png, json.loads(text["parameters"]), self.seconds)

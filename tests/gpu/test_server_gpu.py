@@ -34,6 +34,17 @@ def test_the_gpu_server_serves_moss_images_bytes(tmp_path):
         native = httpx.post(f"{url}/v1/moss/image", json={"prompt": "a red fox", "seed": 8, "steps": 3},
                             timeout=WAIT_S)
         assert native.content == fox[8]
+        # a picture to start from: moss-image --init-image --strength 0.5 on the GPU, byte for byte
+        r = subprocess.run([sys.executable, "-c", "from moss_cli.cli import image_command as c; c()", "--prompt",
+                            "a fox in the snow", "--seed", "3", "--steps", "4", "--device", "cuda", "--init-image",
+                            str(tmp_path / "fox-7.png"), "--strength", "0.5", "--picture", str(tmp_path / "snow.png"),
+                            "--quiet"], capture_output=True)
+        assert r.returncode == 0, r.stderr.decode()
+        snowy = httpx.post(f"{url}/v1/moss/image", json={"prompt": "a fox in the snow", "seed": 3, "steps": 4,
+                                                          "strength": 0.5,
+                                                          "init_image": base64.b64encode(fox[7]).decode()},
+                           timeout=WAIT_S)
+        assert snowy.content == (tmp_path / "snow.png").read_bytes()
         assert httpx.get(f"{url}/health", timeout=WAIT_S).json()["devices"] == \
             {"encode": "cuda", "denoise": "cuda", "decode": "cuda"}
         server.send_signal(signal.SIGTERM)
