@@ -235,6 +235,9 @@ def budget(d):
     for r in d["rows"]:
         if r["run"] == "warm-up":
             continue
+        if "error" in r:
+            rows.append([r["run"], f"**failed**: {r['error']}", "", "", "", "", ""])
+            continue
         plan = r["plan"].split(": ", 1)[-1]
         streamed = f"{r['streamed_GB']:.1f} GB ({r['stream_floor_s']:.2f} s)" if "streamed_GB" in r else ""
         rows.append([r["run"] if r["run"] != "all" else "everything free", plan, f"{r['seconds']:.2f} s",
@@ -246,8 +249,8 @@ def budget(d):
     chain = next((r["chain"] for r in d["rows"] if "chain" in r), None)
     if chain:
         lines += ["", "At the smallest budget, the stage commands: " + ", ".join(
-            f"moss-{k} {v['seconds']:.2f} s (peak {v['peak_GB']:.1f} GB)" for k, v in chain.items()
-            if isinstance(v, dict)) + f"; the chain's PNG {'equals' if chain['equal_to_resident'] else 'differs from'}"
+            f"moss-{k} {v['seconds']:.2f} s (peak {v['peak_GB']:.1f} GB)" if "error" not in v
+            else f"moss-{k} **failed**: {v['error']}" for k, v in chain.items() if isinstance(v, dict)) + f"; the chain's PNG {'equals' if chain['equal_to_resident'] else 'differs from'}"
             " the resident one."]
     return lines
 

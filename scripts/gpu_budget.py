@@ -79,10 +79,14 @@ def command(args, stage_args, budget_env=None):
     seconds = time.perf_counter() - began
     peak.done.set()
     peak.join()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(stage_args[:3])}: exit {proc.returncode}\n{err[-3000:]}")
+    if proc.returncode:      # the row says so and the run goes on: a call cut short keeps what it measured
+        raise Failed(f"exit {proc.returncode}: {err.strip().splitlines()[-1] if err.strip() else ''}"[:500])
     plan = next((line.split("] ")[-1].strip() for line in err.splitlines() if "memory plan:" in line), "")
     return seconds, peak.peak, plan[plan.find("memory plan:"):]
+
+
+class Failed(Exception):
+    """A command that exited non-zero: its exit status and the last line of its stderr."""
 
 
 def tool(name):
@@ -128,7 +132,12 @@ def main():
                 free = int(holder.stdout.readline())
             png = out_dir / f"budget-{label.replace(' ', '-')}.png"
             args = picture[:-1] + [device, "--picture", str(png)]
-            seconds, peak, plan = command(tool("image"), args)
+            try:
+                seconds, peak, plan = command(tool("image"), args)
+            except Failed as e:
+                rows.append({"run": label, "budget_GB": budget, "device": device, "error": str(e)})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             sha = hashlib.sha256(png.read_bytes()).hexdigest()
             row = {"run": label, "budget_GB": budget, "device": device, "seconds": round(seconds, 2),
                    "peak_GB": round(peak / 1e9, 2), "plan": plan, "png_sha256": sha}
@@ -148,15 +157,20 @@ def main():
                                                       str(a.steps), "--device", "cuda", "--out", str(lat)]),
                                          ("decode", ["--model", a.model, str(lat), "--device", "cuda", "--out",
                                                      str(dec)])):
-                    s, p, pl = command(tool(name), stage_args)
+                    try:
+                        s, p, pl = command(tool(name), stage_args)
+                    except Failed as e:
+                        row["chain"][name] = {"error": str(e)}
+                        break
                     row["chain"][name] = {"seconds": round(s, 2), "peak_GB": round(p / 1e9, 2), "plan": pl}
-                row["chain"]["equal_to_resident"] = hashlib.sha256(dec.read_bytes()).hexdigest() == reference
+                row["chain"]["equal_to_resident"] = dec.exists() and \
+                    hashlib.sha256(dec.read_bytes()).hexdigest() == reference
             rows.append(row)
             print(json.dumps(row), flush=True)
+        finally:
             # written after every row: a call cut short keeps the rows it made
             Path(a.out).write_text(json.dumps({"link_GBps": round(rate / 1e9, 1), "steps": a.steps, "rows": rows},
                                               indent=1))
-        finally:
             if holder is not None:
                 holder.stdin.close()
                 holder.wait()
