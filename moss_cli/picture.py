@@ -57,6 +57,18 @@ class Picture:
         a = np.array(self._convert(self._resized(width, height), "L")).astype(np.float32) / np.float32(255)
         return np.where(a < np.float32(0.5), np.float32(0), np.float32(1))
 
+    def transparent_repaints(self):
+        """The mask as OpenAI's image edits read it: repaint (white) where the picture is fully transparent, keep
+        (black) elsewhere; a picture without alpha is the mask it is (white repaints). The file's sha256 stays."""
+        from PIL import Image
+        image = self.image
+        if image.mode == "P" and "transparency" in image.info:
+            image = image.convert("RGBA")
+        if "A" not in image.getbands():
+            return self
+        alpha = np.array(image.getchannel("A"))
+        return Picture(Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8), "L"), self.sha256, self.source)
+
     def _convert(self, image, mode):
         try:
             return image.convert(mode)

@@ -500,3 +500,51 @@ def test_a_bad_picture_to_start_from_gets_400_naming_its_field(engine, url, fox,
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and says in error["message"], error
     assert engine.made == made
+
+
+def test_the_openai_clients_image_edit_is_moss_image_init_image_and_mask(url, fox, tmp_path):
+    """client.images.edit: the picture as moss-image --init-image takes it, byte for byte; OpenAI's mask (its
+    transparent pixels repainted) as the black-and-white mask moss-image --mask takes, the same pixels."""
+    (tmp_path / "in.png").write_bytes(fox[7])
+    rgba = np.full((48, 64, 4), 255, np.uint8)
+    rgba[:, 32:, 3] = 0                                   # the right half transparent: repainted
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "openai_mask.png")
+    white = np.zeros((48, 64), np.uint8)
+    white[:, 32:] = 255
+    Image.fromarray(white, "L").save(tmp_path / "mask.png")
+    want = {}
+    for name, args in (("strength", ["--strength", "0.5"]), ("mask", ["--mask", tmp_path / "mask.png"])):
+        r = run("moss-image", "--prompt", "a fox in the snow", "--seed", 3, "--steps", 4, "--init-image",
+                tmp_path / "in.png", *args, "--picture", tmp_path / f"{name}.png", "--quiet")
+        assert r.code == 0, r.stderr
+        want[name] = (tmp_path / f"{name}.png").read_bytes()
+    with open(tmp_path / "in.png", "rb") as image:
+        result = client(url).images.edit(model="tiny", image=image, prompt="a fox in the snow", n=2, extra_body={
+            "seed": 3, "num_inference_steps": 4, "strength": 0.5})
+    assert png_of(result.data[0].model_dump()) == want["strength"]
+    assert [item.parameters["seed"] for item in result.data] == [3, 4]
+    with open(tmp_path / "in.png", "rb") as image, open(tmp_path / "openai_mask.png", "rb") as mask:
+        result = client(url).images.edit(model="tiny", image=image, mask=mask, prompt="a fox in the snow",
+                                         extra_body={"seed": 3, "num_inference_steps": 4})
+    got = png_of(result.data[0].model_dump())
+    assert np.array_equal(np.array(Image.open(io.BytesIO(got))), np.array(Image.open(io.BytesIO(want["mask"]))))
+    # planted: the alpha mask read as moss-image reads a mask (no transparency rule) repaints another region
+    r = run("moss-image", "--prompt", "a fox in the snow", "--seed", 3, "--steps", 4, "--init-image",
+            tmp_path / "in.png", "--mask", tmp_path / "openai_mask.png", "--picture", tmp_path / "literal.png",
+            "--quiet")
+    assert r.code == 0 and not np.array_equal(np.array(Image.open(tmp_path / "literal.png")),
+                                              np.array(Image.open(io.BytesIO(got))))
+
+
+def test_an_edit_without_a_picture_or_with_a_bad_field_gets_400(url, fox):
+    r = httpx.post(f"{url}/v1/images/edits", data={"prompt": "a fox"}, files={"mask": ("m.png", fox[7])},
+                   timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image"
+    r = httpx.post(f"{url}/v1/images/edits", data={"prompt": "a fox", "n": "two"}, files={"image": ("i.png", fox[7])},
+                   timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(f"{url}/v1/images/edits", data={"prompt": "a fox", "strength": "1.5"},
+                   files={"image": ("i.png", fox[7])}, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "strength"
+    r = httpx.post(f"{url}/v1/images/edits", json={"prompt": "a fox"}, timeout=WAIT_S)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_form"

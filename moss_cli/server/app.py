@@ -73,6 +73,14 @@ class Generation(_Request):
     guidance_scale: Optional[float] = None
 
 
+class Edit(Generation):
+    """POST /v1/images/edits: OpenAI's image edit as a multipart form (values as text): Generation's fields and
+    strength; the picture (`image`) and its mask are the form's files."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+    strength: Optional[float] = None
+
+
 class Native(_Request):
     """POST /v1/moss/image: moss-image's options under their own names, one picture."""
 
@@ -97,6 +105,7 @@ NATIVE_FIELDS = {"--width": "width", "--height": "height", "--steps": "steps", "
                  "--uncond-skip-layers": "uncond_skip_layers", "prompt": "prompt", "negative": "negative",
                  "lora": "lora", "--strength": "strength", "--mask": "mask", "init_image": "init_image",
                  "mask": "mask"}
+EDIT_FIELDS = {**OPENAI_FIELDS, "--strength": "strength", "--mask": "mask", "init_image": "image", "mask": "mask"}
 
 
 class Kept:
@@ -142,6 +151,16 @@ def _size(text, defaults):
         raise ApiError(400, f"size {text!r}: give WIDTHxHEIGHT, e.g. 1024x1024, or auto", param="size",
                        code="invalid_size")
     return int(w), int(h)
+
+
+def _validated(schema, value):
+    """SCHEMA of a request's fields (None: the default), a ValidationError as a 400 naming the first field."""
+    try:
+        return schema.model_validate({k: v for k, v in value.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = str(first["loc"][0]) if first["loc"] else None     # the field; deeper parts name union members
+        raise ApiError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
 def _file(text, field):
@@ -208,12 +227,42 @@ def create_app(engine, api_key=None, kept=None):
             raise ApiError(400, f"the body is not JSON ({e})", code="invalid_json") from None
         if not isinstance(value, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        return _validated(schema, value)
+
+    async def form(request):
+        """(fields, files) of a multipart form: text fields by name, each file's bytes by name ("image[]" is
+        "image"), one file a name."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY:
+            raise ApiError(413, f"the body is over {MAX_BODY} bytes", code="body_too_large")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise ApiError(400, "the body must be a multipart form (multipart/form-data)", code="invalid_form")
         try:
-            return schema.model_validate({k: v for k, v in value.items() if v is not None})   # null: the default
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = str(first["loc"][0]) if first["loc"] else None     # the field; deeper parts name union members
-            raise ApiError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+            sent = await request.form(max_files=4, max_fields=64, max_part_size=MAX_BODY)
+        except Exception as e:        # not multipart, or past the limits: the parser's own words
+            raise ApiError(400, f"the body is not a multipart form within its limits ({e})", code="invalid_form") \
+                from None
+        fields, files = {}, {}
+        for key, value in sent.multi_items():
+            name = key[:-2] if key.endswith("[]") else key
+            if isinstance(value, str):
+                fields[name] = value
+                continue
+            if name in files:
+                raise ApiError(400, f"{name}: one file, not several", param=name, code="invalid_value")
+            files[name] = await value.read()
+        return fields, files
+
+    def listing(request, req, made):
+        """OpenAI's images response of the pictures made for REQ."""
+        data = []
+        for picture in made:
+            if req.response_format == "url":
+                item = {"url": str(request.url_for("image", name=kept.put(picture.png)))}
+            else:
+                item = {"b64_json": base64.b64encode(picture.png).decode("ascii")}
+            data.append({**item, "revised_prompt": None, "parameters": picture.parameters})
+        return {"created": int(time.time()), "data": data}
 
     def make(fields, **given):
         try:
@@ -259,14 +308,26 @@ def create_app(engine, api_key=None, kept=None):
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)
-        data = []
-        for picture in made:
-            if req.response_format == "url":
-                item = {"url": str(request.url_for("image", name=kept.put(picture.png)))}
-            else:
-                item = {"b64_json": base64.b64encode(picture.png).decode("ascii")}
-            data.append({**item, "revised_prompt": None, "parameters": picture.parameters})
-        return {"created": int(time.time()), "data": data}
+        return listing(request, req, made)
+
+    @api.post("/v1/images/edits")
+    async def edits(request: Request):
+        """The picture (and OpenAI's mask: its transparent pixels are repainted) as moss-image --init-image (--mask)
+        takes them; the size is the picture's unless given."""
+        fields, files = await form(request)
+        req = _validated(Edit, fields)
+        if "image" not in files:
+            raise ApiError(400, "image: give the picture to edit as a file", param="image", code="invalid_value")
+        width, height = (None, None) if req.size == "auto" else _size(req.size, engine.defaults)
+        job = make(EDIT_FIELDS, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
+                   steps=req.num_inference_steps, guidance=req.guidance_scale, width=width, height=height,
+                   shift=req.shift, uncond_skip_layers=_skip_layers(req.uncond_skip_layers),
+                   skip_start=req.skip_start, skip_stop=req.skip_stop, lora=_lora(req.lora),
+                   init_image=files["image"], strength=req.strength, mask=files.get("mask"), transparent=True)
+        made = await pictures(request, job)
+        if made is None:
+            return Response(status_code=499)
+        return listing(request, req, made)
 
     @api.post("/v1/moss/image")
     async def native(request: Request):

@@ -140,12 +140,13 @@ class Engine:
         return stages.sampling_options(self.checkpoint, seed, **given)
 
     def request(self, prompt, negative=stages.DEFAULT_NEGATIVE, seed=None, count=1, lora=None, init_image=None,
-                strength=None, mask=None, **given):
+                strength=None, mask=None, transparent=False, **given):
         """A checked Request of COUNT pictures (seeds seed .. seed + count - 1; a seed drawn when None), the
         adapters `lora` picks (see `choose`), a picture to start from (INIT_IMAGE, MASK: a PNG, JPEG or WebP file's
-        bytes; STRENGTH, as moss-image --init-image takes them), the other options as `options` takes them."""
+        bytes; STRENGTH, as moss-image --init-image takes them; TRANSPARENT: a mask with alpha repaints where it is
+        transparent, as OpenAI's edits take it), the other options as `options` takes them."""
         adapters = self.choose(lora)
-        start = self._start(init_image, strength, mask, given)
+        start = self._start(init_image, strength, mask, given, transparent)
         for name, text in (("prompt", prompt), ("negative", negative)):
             if len(text) > MAX_PROMPT:
                 raise UsageError(f"{name}: {len(text)} characters, more than the {MAX_PROMPT} a request may hold")
@@ -163,7 +164,7 @@ class Engine:
         return Request(prompt, negative, options, count, adapters=adapters, start=start)
 
     @staticmethod
-    def _start(init_image, strength, mask, given):
+    def _start(init_image, strength, mask, given, transparent=False):
         """(Picture, strength, mask Picture) of a request that starts from a picture, else None; the picture's size
         (floored to multiples of 16) goes into GIVEN's width and height where they are not given."""
         strength = stages.check_start(init_image, strength, mask)
@@ -171,6 +172,8 @@ class Engine:
             return None
         source = picture.from_bytes(init_image, "init_image")
         shape = None if mask is None else picture.from_bytes(mask, "mask")
+        if shape is not None and transparent:
+            shape = shape.transparent_repaints()
         if shape is not None and shape.size != source.size:
             raise UsageError(f"--mask: the mask is {shape.size[0]}x{shape.size[1]}, the picture "
                              f"{source.size[0]}x{source.size[1]}; give a mask of the picture's size")
