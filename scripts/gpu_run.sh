@@ -36,8 +36,9 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .wheels numpy==2.4.6 nvmath-python==1.0.1 \
 #     nvidia-cudnn-frontend fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-#     openai distro jiter sniffio python-multipart
-# (numpy 2.4 for numba-cuda 0.30.4; the server's stack and the openai client for tests/gpu/test_server_gpu.py),
+#     openai distro jiter sniffio httpx2 httpcore2 truststore opentelemetry-api python-multipart
+# (numpy 2.4 for numba-cuda 0.30.4; the server's stack, whose fastapi imports opentelemetry-api, and the openai client,
+# which imports httpx2, for tests/gpu/test_server_gpu.py),
 # and diffusers for the vae_encoder step alone, in its own folder (the image has its other needs: huggingface-hub,
 # safetensors, regex, requests, filelock, pillow; importlib_metadata is the standard library's on 3.12):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
