@@ -3,12 +3,12 @@ input's phases, one CUDA graph per image size) against the numpy float32 and flo
 diffusers' AutoencoderKLFlux2 in float32 on the GPU (TF32 off), on the tiny checkpoint; at the real encoder's
 widths with random weights against float64; moss-encode-image --device cuda against --device cpu.
 
-Gates: latents relative L2 error (each test prints its measurement). Not yet measured on a GPU: GATE, against
-the numpy float32 and float64 encoders and diffusers' float32 on the tiny checkpoint, is 5x the same ops'
-error in the CUDA simulator (5.8e-7 at 16x16, tests/test_vae_encoder_gpu_sim.py; its products are float64
-there, the tensor cores' float32 accumulation is not); REAL_GATE, at the real widths against float64, is 5x the
-numpy float32 encoder's 1.2e-6 there. Both are to be set near the first GPU run's measurements. The planted
-control, every GroupNorm's epsilon x10 (1e-5 to 7e-5 on the numpy float32 encoder), fails GATE. diffusers is
+Gates: latents relative L2 error (each test prints its measurement), 2x the worst measured on an H100 at 24c023c
+(results/h100/tests_gpu-24c023c.txt): GATE, on the tiny checkpoint against the numpy float32 and float64 encoders
+(worst 2.94e-6, against float32 at 128x128, whose own error is part of it; 1.18e-6 against float64) and
+diffusers' float32, and the CLI on the GPU against the CPU (1.6e-6); REAL_GATE, at the real widths against
+float64 (3.8e-6; the numpy float32 encoder 6.1e-6 there). The planted control, every GroupNorm's epsilon x10,
+measured 7.3e-5 there: it fails GATE by 12x. diffusers is
 not on the GPU image: its test skips unless the vae_encoder step of scripts/gpu_run.sh put it on the path.
 """
 
@@ -20,8 +20,8 @@ import cuda_kernels
 OK, WHY = cuda_kernels.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs a CUDA GPU with the GPU extra: {WHY}")
 
-GATE = 3e-6
-REAL_GATE = 6e-6
+GATE = 6e-6
+REAL_GATE = 8e-6
 
 
 def rel_l2(a, ref):
