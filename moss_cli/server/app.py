@@ -297,18 +297,21 @@ def create_app(engine, api_key=None, kept=None):
         except Exception as e:       # a failure inside the picture fails this request, never the server
             raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error", code="picture_failed") from None
 
-    @api.post("/v1/images/generations")
-    async def generations(request: Request):
-        req = await body(request, Generation)
-        width, height = _size(req.size, engine.defaults)
-        job = make(OPENAI_FIELDS, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
+    async def openai_images(request, req, fields, width, height, **start):
+        """OpenAI's images response to a Generation (or Edit) request REQ, the picture to start from in START."""
+        job = make(fields, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
                    steps=req.num_inference_steps, guidance=req.guidance_scale, width=width, height=height,
                    shift=req.shift, uncond_skip_layers=_skip_layers(req.uncond_skip_layers),
-                   skip_start=req.skip_start, skip_stop=req.skip_stop, lora=_lora(req.lora))
+                   skip_start=req.skip_start, skip_stop=req.skip_stop, lora=_lora(req.lora), **start)
         made = await pictures(request, job)
         if made is None:
             return Response(status_code=499)
         return listing(request, req, made)
+
+    @api.post("/v1/images/generations")
+    async def generations(request: Request):
+        req = await body(request, Generation)
+        return await openai_images(request, req, OPENAI_FIELDS, *_size(req.size, engine.defaults))
 
     @api.post("/v1/images/edits")
     async def edits(request: Request):
@@ -319,15 +322,8 @@ def create_app(engine, api_key=None, kept=None):
         if "image" not in files:
             raise ApiError(400, "image: give the picture to edit as a file", param="image", code="invalid_value")
         width, height = (None, None) if req.size == "auto" else _size(req.size, engine.defaults)
-        job = make(EDIT_FIELDS, prompt=req.prompt, negative=req.negative_prompt, seed=req.seed, count=req.n,
-                   steps=req.num_inference_steps, guidance=req.guidance_scale, width=width, height=height,
-                   shift=req.shift, uncond_skip_layers=_skip_layers(req.uncond_skip_layers),
-                   skip_start=req.skip_start, skip_stop=req.skip_stop, lora=_lora(req.lora),
-                   init_image=files["image"], strength=req.strength, mask=files.get("mask"), transparent=True)
-        made = await pictures(request, job)
-        if made is None:
-            return Response(status_code=499)
-        return listing(request, req, made)
+        return await openai_images(request, req, EDIT_FIELDS, width, height, init_image=files["image"],
+                                   strength=req.strength, mask=files.get("mask"), transparent=True)
 
     @api.post("/v1/moss/image")
     async def native(request: Request):
