@@ -94,9 +94,9 @@ class Recent(collections.OrderedDict):
 class Engine:
     """The models of CHECKPOINT on DEVICE behind a queue of at most MAX_QUEUE waiting requests.
 
-    GPU_MEMORY: the GB the GPU memory plan may use (None: what is free), kept for that plan; the stages do not
-    take it yet. WARM: make one small picture at the default size before `ready`, so the first request does
-    not pay for compiling and capturing the graphs."""
+    GPU_MEMORY: the GB the GPU memory plan may use (None: what is free); the plan is made for the default size
+    and every component stays loaded (held). WARM: make one small picture at the default size before `ready`, so
+    the first request does not pay for compiling and capturing the graphs."""
 
     def __init__(self, checkpoint, device="auto", gpu_memory=None, max_queue=16, progress=None, warm=True,
                  adapters=None):
