@@ -440,7 +440,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     opts = _sampling(checkpoint, progress, pictures[0].seed, steps, guidance, width, height, shift,
                      skip_layers, skip_start, skip_stop, noise)
     size = (opts.width, opts.height)
-    encodes = source is not None and (strength != 1.0 or mask is not None)     # the VAE encoder runs here too
+    encodes = source is not None and not stages.literal(strength, mask)     # the VAE encoder runs here too
     planned = batch.STAGES + (("encode-image",) if encodes else ())
     if show_plan:
         _memory_plan(checkpoint, resolve(device, "denoise"), planned, gpu_memory, size, True, progress)

@@ -515,7 +515,13 @@ class Init:
     @property
     def literal(self):
         """Text-to-image exactly: strength 1 keeps none of the image, and without a mask nothing is put back."""
-        return self.strength == 1.0 and self.mask is None
+        return literal(self.strength, self.mask)
+
+
+def literal(strength, mask):
+    """Whether a start from a picture at STRENGTH with MASK (or None) is text-to-image exactly: nothing of the
+    picture kept, nothing put back (the picture then need not be encoded)."""
+    return strength == 1.0 and mask is None
 
 
 def check_start(init, strength, mask):

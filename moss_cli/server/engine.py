@@ -184,12 +184,13 @@ class Engine:
         """Refuse a picture size whose pool would not fit the GPU memory plan beside the weights it holds (the plan
         was made for the default size; the weights stay where it put them)."""
         plan = self.plan
-        if plan is None or plan.need_at(width, height) <= plan.budget:
+        need = None if plan is None else plan.need_at(width, height)
+        if need is None or need <= plan.budget:
             return
-        need = size_text(plan.need_at(width, height))
-        raise UsageError(f"--width {width}: {width}x{height} needs {need} of GPU memory beside this server's weights, "
-                         f"past its budget of {size_text(plan.budget)} (planned for {plan.size[0]}x{plan.size[1]}); "
-                         "ask for a smaller size, or start the server with more --gpu-memory")
+        raise UsageError(f"--width {width}: {width}x{height} needs {size_text(need)} of GPU memory beside this "
+                         f"server's weights, past its budget of {size_text(plan.budget)} (planned for "
+                         f"{plan.size[0]}x{plan.size[1]}); ask for a smaller size, or start the server with more "
+                         "--gpu-memory")
 
     def choose(self, choices):
         """The adapters of CHOICES, [(name, scale or None)], in its order and at its scales (None: the scale given at
@@ -329,7 +330,7 @@ class Engine:
         if request.start is None:
             return None
         source, strength, shape = request.start
-        if strength == 1.0 and shape is None:
+        if stages.literal(strength, shape):
             self.progress.note("strength 1 without a mask keeps nothing of the picture: this is text-to-image")
             return None
         options = request.options
