@@ -28,7 +28,9 @@
 # tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
 # .wheels/diffusers), lora (a random rank-64 adapter on every DiT linear of that folder: the GPU merge's time, steps with
 # and without it, moss-server's switches between it and the base: scripts/gpu_lora.py $LORA_ARGS), tables (BENCHMARKS.md's
-# tables from this run's outputs: scripts/bench_tables.py), baseline (transformers' encoder with and without
+# tables from this run's outputs: scripts/bench_tables.py), same (the tiny checkpoint's artifacts on the GPU from the tree
+# in $SAME_TREE, default before/, e.g. `git archive c556c19 moss_cli cuda_kernels | tar x -C before`, against this
+# one's, tensor for tensor: scripts/gpu_same_artifacts.py, same.json), baseline (transformers' encoder with and without
 # flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
 #   ENCODER_ARGS=--quick bash scripts/gpu_run.sh dit decoder load picture encoder baseline tables
@@ -188,6 +190,8 @@ for step in "$@"; do
                 | tee -a "$OUT/picture.txt"
             fi
           fi ;;
+    same) $limit python3 scripts/gpu_same_artifacts.py --trees "${SAME_TREE:-before}" . --out "$OUT/same.json" 2>&1 \
+            | tee "$OUT/same.txt" ;;
     tables) python3 scripts/bench_tables.py "$OUT" --out "$OUT/tables.md" ;;
     *) echo "unknown step $step"; false ;;
   esac
