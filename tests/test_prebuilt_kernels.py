@@ -150,3 +150,20 @@ def test_prebuilt_kernels_are_loaded_instead_of_compiled_and_a_bad_file_is_rebui
     assert out["corrupt"]["loaded"] == [], out
     assert out["corrupt"]["compiled"] == ["_make_cast.<locals>.cast_bf16"], out
     assert out["rebuilt"] == {"loaded": ["_make_cast.<locals>.cast_bf16"], "compiled": [], "file": "sm_90a.kernels"}
+
+
+def test_the_shipped_files_are_current_for_the_pinned_toolchain():
+    """The files in cuda_kernels/prebuilt/ were built from these kernel sources with the toolchain the GPU extra
+    pins (numba-cuda, numba, CUDA major): a kernel edit without a rebuild fails here, not silently on a user's
+    first call. Rebuild on a GPU: `bash scripts/gpu_run.sh kernels`, then commit cuda_kernels/prebuilt/."""
+    if not toolchain_present():
+        pytest.skip("numba-cuda's cu13 extra is not installed")
+    states = {target: prebuilt.read(prebuilt.FOLDER / (target + prebuilt.SUFFIX), target)
+              for target in prebuilt.TARGETS}
+    why = {target: reason for target, (kernels, reason) in states.items() if kernels is None}
+    assert not why, f"{why}: rebuild them on a GPU (bash scripts/gpu_run.sh kernels)"
+    counts = {len(kernels) for kernels, _ in states.values()}
+    assert len(counts) == 1 and counts.pop() > 0       # every target holds the same kernels
+    # the check sees an edit: another sources digest makes the same files stale
+    kernels, reason = prebuilt.read(prebuilt.FOLDER / "sm_90a.kernels", "sm_90a", digest="0" * 64)
+    assert kernels is None and reason.startswith("stale")
