@@ -100,6 +100,31 @@ def profile_step(dit, cond, uncond):
     return table
 
 
+def accuracy(out, dit, theirs_w, cfg, rows, cond, uncond):
+    """One CFG step at 1024x1024 (step 0 of a 50-step schedule: the negative pass runs every block) against the
+    float64 statement, ours and torch bf16 eager; returns the bf16 statement and its text for the timings."""
+    h = w = 1024 // 16
+    noise = torch.randn(1, 128, h, w, device="cuda")
+    sig = schedule_sigmas(50, shift=5.0)
+    t, dt = float(timesteps(sig)[0]), float(np.float32(sig[1]) - np.float32(sig[0]))
+    got = []
+    dit.sample(noise.cpu().numpy(), sig[:2], cond, uncond, 3.0, SKIP, 0.01, 1.0,
+               on_step=lambda i, s, x, v: got.append(v), arrays=True)
+    v_ours = torch.as_tensor(got[0], device="cuda", dtype=torch.float64)
+    with torch.no_grad():
+        ref = TorchDit(theirs_w, cfg, torch.float64)
+        _, v_ref = ref.step(noise.double(), t, dt, ref.text(rows[0].double()), ref.text(rows[1].double()), 3.0, ())
+        base = TorchDit(theirs_w, cfg, torch.bfloat16)
+        tb = (base.text(rows[0]), base.text(rows[1]))
+        _, v_base = base.step(noise, t, dt, tb[0], tb[1], 3.0, ())
+    del ref
+    rel = lambda a: float(torch.linalg.norm(a.double() - v_ref) / torch.linalg.norm(v_ref))
+    out["accuracy_1024"] = {"ours_rel_l2": rel(v_ours), "torch_bf16_rel_l2": rel(v_base)}
+    print(f"velocity of one CFG step at 1024x1024 vs float64: ours {rel(v_ours):.3g}, torch bf16 eager {rel(v_base):.3g}",
+          flush=True)
+    return base, tb
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -108,6 +133,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="GPU time per kernel name over one 1024 step")
     ap.add_argument("--compile-modes", nargs="*", default=list(COMPILE_MODES),
                     help="torch.compile modes timed beside eager (none: eager only), e.g. max-autotune-no-cudagraphs")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="the step times alone (ours, eager, torch.compile): no float64 velocity, 50-step "
+                         "trajectory, kernel variants or attention alone")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "text_tokens": TEXT}
     if args.compile_modes:
@@ -131,26 +159,12 @@ def main():
     cond, uncond = (dit.prepare_text(r.cpu().numpy()) for r in rows)
     print("weights made and uploaded", flush=True)
 
-    # accuracy: one CFG step at 1024x1024 (step 0 of a 50-step schedule: the negative pass runs every block)
-    h = w = 1024 // 16
-    noise = torch.randn(1, 128, h, w, device="cuda")
-    sig = schedule_sigmas(50, shift=5.0)
-    t, dt = float(timesteps(sig)[0]), float(np.float32(sig[1]) - np.float32(sig[0]))
-    got = []
-    dit.sample(noise.cpu().numpy(), sig[:2], cond, uncond, 3.0, SKIP, 0.01, 1.0,
-               on_step=lambda i, s, x, v: got.append(v), arrays=True)
-    v_ours = torch.as_tensor(got[0], device="cuda", dtype=torch.float64)
-    with torch.no_grad():
-        ref = TorchDit(theirs_w, cfg, torch.float64)
-        _, v_ref = ref.step(noise.double(), t, dt, ref.text(rows[0].double()), ref.text(rows[1].double()), 3.0, ())
-        base = TorchDit(theirs_w, cfg, torch.bfloat16)
-        tb = (base.text(rows[0]), base.text(rows[1]))
-        _, v_base = base.step(noise, t, dt, tb[0], tb[1], 3.0, ())
-    del ref
-    rel = lambda a: float(torch.linalg.norm(a.double() - v_ref) / torch.linalg.norm(v_ref))
-    out["accuracy_1024"] = {"ours_rel_l2": rel(v_ours), "torch_bf16_rel_l2": rel(v_base)}
-    print(f"velocity of one CFG step at 1024x1024 vs float64: ours {rel(v_ours):.3g}, torch bf16 eager {rel(v_base):.3g}",
-          flush=True)
+    if args.speed_only:
+        with torch.no_grad():
+            base = TorchDit(theirs_w, cfg, torch.bfloat16)
+            tb = (base.text(rows[0]), base.text(rows[1]))
+    else:
+        base, tb = accuracy(out, dit, theirs_w, cfg, rows, cond, uncond)
     torch.cuda.empty_cache()
 
     rate = matmul_tflops(4396, 3072, 16384, torch.bfloat16)     # the up/gate product at 1024x1024
@@ -165,7 +179,7 @@ def main():
         tm = dict(dit.timings)
         ours_ms = tm["gpu_s"] / tm["steps"] * 1e3
         trajectory_ms = []
-        if size == 1024:     # a whole trajectory's steps, each timed: does a step slow down under sustained load?
+        if size == 1024 and not args.speed_only:     # a whole trajectory's steps, each timed: does a step slow down under sustained load?
             dit.sample(noise, schedule_sigmas(50, shift=5.0), cond, uncond, 3.0, SKIP, 0.01, 1.0)
             trajectory_ms = dit.timings["step_ms"]
         # the same trajectory with a progress callback (the product's path), and single steps on an idle GPU
@@ -196,7 +210,7 @@ def main():
             row.update(torch_compile_best=best, torch_compile_ms=compiled[best]["ms"],
                        ratio_vs_compile=compiled[best]["ms"] / ours_ms)
         out["sizes"][str(size)] = row
-        if size == 1024:     # variants beside the default, then the default again (the clock drifts with heat)
+        if size == 1024 and not args.speed_only:     # variants beside the default, then the default again (the clock drifts with heat)
             for name, attrs in (("qk_words4", {"qk_width": 2}), ("qk_group1", {"qk_group": 1}), ("again", {})):
                 for key, value in attrs.items():
                     setattr(dit.ops, key, value)

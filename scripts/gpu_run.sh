@@ -8,7 +8,8 @@
 # encoder (9B encoder accuracy and speed), delta (the delta rule alone), bench (cuBLASLt products against
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed, ours beside torch eager and torch.compile;
-# DIT_ARGS="--compile-modes default max-autotune-no-cudagraphs" picks the modes), load (a random real-size folder in
+# DIT_ARGS="--compile-modes default max-autotune-no-cudagraphs" picks the modes; --speed-only: the step times
+# alone, ~4 minutes less), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
