@@ -12,7 +12,7 @@ moss-cli-build-kernels compiles the upload lanes' loop; --cold-host empties that
 a folder a previous process filled; at each --sizes; then the three chained commands (encode, denoise, decode)
 as separate processes.
 
-    python scripts/gpu_call_cost.py MODEL_DIR --out call_cost.json [--sizes 512 1024] [--runs 3] [--steps 50]
+    python scripts/gpu_call_cost.py MODEL_DIR --out call_cost.json [--sizes 512 1024] [--runs 3] [--steps 50] [--profile]
 
 (--device cpu runs the same on the CPU: the CPU tests check the timing on the tiny checkpoint.)
 """
@@ -177,8 +177,16 @@ def child(report, command, args, t0):
     sys.argv = [f"moss-{command}"] + args
     leave = os._exit
 
+    profile = None
+    if os.environ.get("CALL_COST_PROFILE"):     # the main thread under cProfile, its table written at the end
+        import cProfile
+        profile = cProfile.Profile()
+
     def write(code):
         timers.event("command returned")
+        if profile is not None:
+            profile.disable()
+            _profile_table(profile, os.environ["CALL_COST_PROFILE"])
         out = timers.report()
         out.update(exit_code=code, returned_s=timers.now())
         if "cuda_kernels.prebuilt" in sys.modules:
@@ -191,6 +199,8 @@ def child(report, command, args, t0):
         write(code)
         leave(code)
     os._exit = report_and_leave
+    if profile is not None:
+        profile.enable()
     try:
         getattr(cli, COMMANDS[command])()
     except SystemExit as e:
@@ -198,16 +208,30 @@ def child(report, command, args, t0):
         raise
 
 
+def _profile_table(profile, path):
+    """The main thread's functions by cumulative and by own time (pstats' tables) into `path`."""
+    import io
+    import pstats
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    Path(path).write_text(text.getvalue().replace(str(ROOT) + "/", "").replace(sys.prefix + "/", "PREFIX/"))
+
+
 # --- the parent: processes, timed from spawn to exit ---------------------------------------------------
-def run(command, args, cache, cold_host=False):
+def run(command, args, cache, cold_host=False, profile=None):
     """One process of `command` with its GPU kernel cache under `cache` (and numba's host cache there too where
-    cold_host): {"wall_s", "teardown_s", the child's report}."""
+    cold_host; its main thread under cProfile into the file `profile` where given): {"wall_s", "teardown_s", the
+    child's report}."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
         env["XDG_CACHE_HOME"] = str(cache)
         if cold_host:
             env["NUMBA_CACHE_DIR"] = str(Path(cache) / "numba")
+        if profile:
+            env["CALL_COST_PROFILE"] = str(profile)
         began = time.time()
         done = subprocess.run([sys.executable, __file__, "--child", str(report), str(began), command, "--", *args],
                               env=env, capture_output=True, text=True)
@@ -243,6 +267,9 @@ def main():
     ap.add_argument("--no-chain", action="store_true", help="leave out the chained commands")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cold-host", action="store_true", help="first processes without numba's host cache either")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more warm moss-image at the largest size, its main thread under cProfile "
+                         "(OUT's stem + _profile.txt; its timings are not in the medians)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="call-cost-"))
     out = {"device": args.device, "steps": args.steps, "runs": []}
@@ -269,6 +296,15 @@ def main():
                 r.update(size=size, cache="warm", chain=i)
                 out["runs"].append(r)
                 print(summary_line(f"moss-{command} {size}x{size} (chain {i + 1})", r), flush=True)
+    if args.profile:
+        size = max(args.sizes)
+        table = Path(args.out).with_name(Path(args.out).stem + "_profile.txt")
+        image = ["--model", args.model, "--prompt", PROMPT, "--seed", "1", "--steps", str(args.steps), "--width",
+                 str(size), "--height", str(size), "--picture", str(work / "profiled.png"), "--device", args.device,
+                 "--quiet"]
+        r = run("image", image, folder, profile=table)
+        out["profiled"] = dict(r, size=size, cache="warm", table=table.name)
+        print(summary_line(f"moss-image {size}x{size}, warm, under cProfile ({table.name})", r), flush=True)
     out["medians"] = medians(out["runs"])
     Path(args.out).write_text(json.dumps(out, indent=1))
     shutil.rmtree(work, ignore_errors=True)

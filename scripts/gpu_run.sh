@@ -23,7 +23,8 @@
 # a long prompt; then the prebuilt files built from it into cuda_kernels/prebuilt/ and $OUT/prebuilt/, so that later steps'
 # first processes load their kernels instead of compiling them), cost (where a moss-image call's time goes, from the
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
-# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS, into $COST_NAME.json, default
+# three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS (--profile: one more warm call under
+# cProfile, $COST_NAME_profile.txt), into $COST_NAME.json, default
 # call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32,
 # speed and accuracy against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
 # tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
