@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .errors import UsageError
-from .noise import fma32
+from .float32 import fma32
 
 DEFAULT_STEPS = 50
 DEFAULT_SHIFT = 5.0             # MOSSImageScheduler shift

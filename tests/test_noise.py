@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moss_cli import noise
+from moss_cli import float32, noise
 from moss_cli.errors import UsageError
 
 AVX2_TORCH = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -61,7 +61,7 @@ def test_planted_control_without_fma_contraction_is_not_exact():
     blocks = noise.Generator(0)._uniform_float(64 * 64).reshape(-1, 16)
     ref = torch_randn(64 * 64, 0)
     assert same_bits(noise.fill16_avx2(blocks).ravel(), ref)
-    assert not same_bits(noise.fill16_avx2(blocks, fma=noise.mul_add32).ravel(), ref)
+    assert not same_bits(noise.fill16_avx2(blocks, fma=float32.mul_add32).ravel(), ref)
 
 
 @needs_avx2
@@ -100,11 +100,11 @@ def test_fma32_rounds_once_like_a_hardware_fma():
     b = np.append(b, np.append(tiny[1], np.float32(2**-75 * (1 - 2**-23))))
     c = np.append(c, np.append(tiny[2] * np.float32(2**-10), np.float32(2**-127 + 2**-149)))
     exact = [round_to_float32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
-    assert same_bits(noise.fma32(a, b, c), np.array(exact, dtype=np.float32))
+    assert same_bits(float32.fma32(a, b, c), np.array(exact, dtype=np.float32))
     m = 3000
-    assert noise.fma32(a[m:m + 1], b[m:m + 1], c[m:m + 1])[0] == np.float32(1 + 2**-23)
+    assert float32.fma32(a[m:m + 1], b[m:m + 1], c[m:m + 1])[0] == np.float32(1 + 2**-23)
     assert np.float32(np.float64(a[m]) * np.float64(b[m]) + np.float64(c[m])) == np.float32(1 + 2**-22)
-    assert noise.fma32(a[-1:], b[-1:], c[-1:])[0] == np.float32(2**-127 + 2**-149)
+    assert float32.fma32(a[-1:], b[-1:], c[-1:])[0] == np.float32(2**-127 + 2**-149)
     assert np.float32(np.float64(a[-1]) * np.float64(b[-1]) + np.float64(c[-1])) == np.float32(2**-127 + 2**-148)
 
 
