@@ -40,41 +40,41 @@ def model_config(config):
     return c
 
 
+def _text_block(d, hd, f):
+    """A text-refiner block's tensors, name -> shape, in the order a forward reads them."""
+    return {"norm1.weight": (d,), "qkv.weight": (3 * d, d), "qkv.bias": (3 * d,), "q_norm.weight": (hd,),
+            "k_norm.weight": (hd,), "proj.weight": (d, d), "proj.bias": (d,), "norm2.weight": (d,),
+            "ffn_up.weight": (f, d), "ffn_up.bias": (f,), "ffn_gate.weight": (f, d), "ffn_gate.bias": (f,),
+            "ffn_down.weight": (d, f), "ffn_down.bias": (d,)}
+
+
+def _joint_block(d, hd, f):
+    """A joint block's tensors, name -> shape, in the order a step reads them (q, k and v as one stack)."""
+    return {"norm1.weight": (d,), "proj.q.weight": (d, d), "proj.k.weight": (d, d), "proj.v.weight": (d, d),
+            "q_norm.weight": (hd,), "k_norm.weight": (hd,), "proj.o.weight": (d, d), "norm2.weight": (d,),
+            "proj.ffn_up_gate.weight": (2 * f, d), "proj.ffn_down.weight": (d, f)}
+
+
+# the tensors outside the blocks, in the order a first picture reads them
+_OUTER = ("text_embedder.proj", "time_embedding.0", "time_embedding.2", "shared_block_modulation",
+          "video_head_modulation", "video_embedder")
+
+
 def expected_tensors(config):
     """Every tensor the graph reads, name -> shape, names as in the official checkpoint (rope.bands unused)."""
     c = model_config(config)
     d, f, hd = c["dim"], c["ffn_dim"], c["dim"] // c["num_heads"]
-    out = {
-        "video_embedder.weight": (d, c["latent_channels"]), "video_embedder.bias": (d,),
-        "text_embedder.proj.weight": (d, c["text_dim"]), "text_embedder.proj.bias": (d,),
-        "time_embedding.0.weight": (d, c["freq_dim"]), "time_embedding.0.bias": (d,),
-        "time_embedding.2.weight": (d, d), "time_embedding.2.bias": (d,),
-        "shared_block_modulation.weight": (6 * d, d), "shared_block_modulation.bias": (6 * d,),
-        "final_norm_video.weight": (d,),
-        "final_linear_video.weight": (c["latent_channels"], d),
-        "video_head_modulation.weight": (2 * d, d), "video_head_modulation.bias": (2 * d,),
-    }
+    outer = {"video_embedder": (d, c["latent_channels"]), "text_embedder.proj": (d, c["text_dim"]),
+             "time_embedding.0": (d, c["freq_dim"]), "time_embedding.2": (d, d),
+             "shared_block_modulation": (6 * d, d), "video_head_modulation": (2 * d, d)}
+    out = {}
+    for name, shape in outer.items():
+        out.update({name + ".weight": shape, name + ".bias": shape[:1]})
+    out.update({"final_norm_video.weight": (d,), "final_linear_video.weight": (c["latent_channels"], d)})
     for b in range(TEXT_BLOCKS):
-        p = f"text_embedder.blocks.{b}."
-        out.update({
-            p + "norm1.weight": (d,), p + "norm2.weight": (d,),
-            p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,),
-            p + "qkv.weight": (3 * d, d), p + "qkv.bias": (3 * d,),
-            p + "proj.weight": (d, d), p + "proj.bias": (d,),
-            p + "ffn_gate.weight": (f, d), p + "ffn_gate.bias": (f,),
-            p + "ffn_up.weight": (f, d), p + "ffn_up.bias": (f,),
-            p + "ffn_down.weight": (d, f), p + "ffn_down.bias": (d,),
-        })
+        out.update({f"text_embedder.blocks.{b}.{n}": s for n, s in _text_block(d, hd, f).items()})
     for i in range(c["num_layers"]):
-        p = f"layers.{i}."
-        out.update({
-            p + "norm1.weight": (d,), p + "norm2.weight": (d,),
-            p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,),
-            p + "proj.q.weight": (d, d), p + "proj.k.weight": (d, d),
-            p + "proj.v.weight": (d, d), p + "proj.o.weight": (d, d),
-            p + "proj.ffn_up_gate.weight": (2 * f, d),
-            p + "proj.ffn_down.weight": (d, f),
-        })
+        out.update({f"layers.{i}.{n}": s for n, s in _joint_block(d, hd, f).items()})
     return out
 
 
@@ -178,20 +178,18 @@ class MossTransformer:
         """Every weight the text refiner and a step read through the op table, in the order a first
         picture asks for each (the refiner, then the step): a name, or a tuple of names read as one stack.
         An op table can upload them all up front (CudaOps.preload)."""
+        block, joint = list(_text_block(1, 1, 1)), list(_joint_block(1, 1, 1))
         out = ["text_embedder.proj.weight", "text_embedder.proj.bias"]
         for b in range(TEXT_BLOCKS):
-            p = f"text_embedder.blocks.{b}."
-            out += [p + n for n in ("norm1.weight", "qkv.weight", "qkv.bias", "q_norm.weight", "k_norm.weight",
-                                    "proj.weight", "proj.bias", "norm2.weight", "ffn_up.weight", "ffn_up.bias",
-                                    "ffn_gate.weight", "ffn_gate.bias", "ffn_down.weight", "ffn_down.bias")]
-        for n in ("time_embedding.0", "time_embedding.2", "shared_block_modulation", "video_head_modulation",
-                  "video_embedder"):
+            out += [f"text_embedder.blocks.{b}.{n}" for n in block]
+        for n in _OUTER[1:]:
             out += [n + ".weight", n + ".bias"]
         out += [f"layers.{i}.norm1.weight" for i in range(self.num_layers)] + ["final_norm_video.weight"]
+        stacked = ("proj.q.weight", "proj.k.weight", "proj.v.weight")
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            out += [tuple(p + f"proj.{n}.weight" for n in "qkv"), p + "q_norm.weight", p + "k_norm.weight",
-                    p + "proj.o.weight", p + "norm2.weight", p + "proj.ffn_up_gate.weight", p + "proj.ffn_down.weight"]
+            out += [tuple(p + n for n in stacked)]
+            out += [p + n for n in joint if n not in stacked and n != "norm1.weight"]
         return out + ["final_linear_video.weight"]
 
     # --- host tables, cached -----------------------------------------------------------------
