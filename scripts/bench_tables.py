@@ -4,7 +4,8 @@ whole picture, each row ours vs the torch baseline vs the floor where the run me
     bash scripts/gpu_run.sh encoder dit decoder load picture tables     # on the H200, one call
     python scripts/bench_tables.py DIR [--out tables.md]                 # DIR: that run's $OUT
 
-Reads whichever of encoder_9b.json, dit.json, decoder.json, load.json, picture.json and call_cost*.json DIR holds; a missing
+Reads whichever of encoder_9b.json, dit.json, decoder.json, vae_encoder.json, load.json, picture.json, call_cost*.json,
+server.json and budget.json DIR holds; a missing
 one leaves its table out. Figures are printed as measured (no rounding beyond the column's digits).
 """
 
@@ -120,9 +121,26 @@ def _decode_cell(s, who):
                                           else f"float64 {s.get('float64', 'not run')}")
 
 
+def _compiled(d, s, ours):
+    """The best torch.compile mode's cells (its ms and mode, that / ours) where the run has any, else None."""
+    if not any("torch_compile" in r for r in d["sizes"].values()):
+        return None
+    if "torch_compile_ms" not in s:
+        return ["", ""]
+    return [f"{s['torch_compile_ms']:.1f} ms ({s['torch_compile_best']})", _ratio(s["torch_compile_ms"], ours)]
+
+
+def _behind_sized(d, what):
+    """One plain sentence per size (keys such as '1024x1024') where torch.compile's best mode beat ours."""
+    return [f"At {size} ours is behind torch.compile ({s['torch_compile_best']}): {s['ours_ms']:.1f} ms {what} "
+            f"against {s['torch_compile_ms']:.1f} ms."
+            for size, s in d["sizes"].items() if "ours_ms" in s and s.get("torch_compile_ms", 1e30) < s["ours_ms"]]
+
+
 def decoder(d):
-    """Ours vs torch fp32 and TF32 vs the floor: the decode's FLOPs three times over (the split's three fp16
-    products) at the fp16 rate torch.matmul reached in the same run."""
+    """Ours vs torch fp32 and TF32 (and torch.compile of the TF32 statement, where the run timed it) vs the floor:
+    the decode's FLOPs three times over (the split's three fp16 products) at the fp16 rate torch.matmul reached in
+    the same run."""
     rows = []
     for size, s in d["sizes"].items():
         if "ours_ms" not in s:
@@ -130,11 +148,32 @@ def decoder(d):
             continue
         floor = f"{s['floor_ms']:.1f} ms" if "floor_ms" in s else ""
         rows.append([f"decode, {size}"] + [_decode_cell(s, who) for who in ("ours", "torch_fp32", "torch_tf32")]
-                    + [floor, _ratio(s["torch_tf32_ms"], s["ours_ms"])])
+                    + [floor, _ratio(s["torch_tf32_ms"], s["ours_ms"])] + (_compiled(d, s, s["ours_ms"]) or []))
     rate = d.get("fp16_product_tflops")
     floor = f"floor (3 fp16 products at {rate:.0f} TFLOP/s)" if rate else "floor"
-    return ["### Decoder (pixels off by one vs float64)", ""] + _table(
-        ["figure", "ours", "torch fp32", "torch TF32", floor, "TF32 / ours"], rows)
+    head = ["figure", "ours", "torch fp32", "torch TF32", floor, "TF32 / ours"]
+    if any("torch_compile" in s for s in d["sizes"].values()):
+        head += [f"{_compile_name(d)} of the TF32 statement, best mode", "that / ours"]
+        rows = [row + [""] * (len(head) - len(row)) for row in rows]
+    behind = _behind_sized(d, "a decode")
+    return ["### Decoder (pixels off by one vs float64)", ""] + _table(head, rows) + ([""] + behind if behind else [])
+
+
+def vae_encoder(d):
+    """Ours vs diffusers' encoder in fp32 and TF32 (and torch.compile of the TF32 one, where timed), with each
+    one's latents against float64."""
+    rows = []
+    for size, s in d["sizes"].items():
+        err = lambda key: f"{s[key]['rel_l2']:.2g}" if key in s else ""
+        rows.append([f"encode, {size}", f"{s['ours_ms']:.1f} ms ({err('ours_vs_float64')})",
+                     f"{s['diffusers_fp32_ms']:.1f} ms ({err('diffusers_fp32_vs_float64')})",
+                     f"{s['diffusers_tf32_ms']:.1f} ms ({err('diffusers_tf32_vs_float64')})",
+                     _ratio(s["diffusers_tf32_ms"], s["ours_ms"])] + (_compiled(d, s, s["ours_ms"]) or []))
+    head = ["figure (rel. L2 vs float64)", "ours", "diffusers fp32", "diffusers TF32", "TF32 / ours"]
+    if any("torch_compile" in s for s in d["sizes"].values()):
+        head += [f"{_compile_name(d)} of the TF32 encode, best mode", "that / ours"]
+    behind = _behind_sized(d, "an encode")
+    return ["### VAE encoder", ""] + _table(head, rows) + ([""] + behind if behind else [])
 
 
 def load(d):
@@ -284,6 +323,9 @@ def tables(folder):
         parts += dit(dj) + [""]
     if dec:
         parts += decoder(dec) + [""]
+    venc = _load(folder, "vae_encoder.json")
+    if venc:
+        parts += vae_encoder(venc) + [""]
     if ld:
         parts += load(ld) + [""]
     if pic:

@@ -156,6 +156,9 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of our decode (CUPTI), per size")
     parser.add_argument("--variants", action="store_true",
                         help="also time other tap conv chunk sizes, at 1024 (else the first size)")
+    parser.add_argument("--compile-modes", nargs="*", default=None,
+                        help="torch.compile modes of the TF32 statement timed beside eager (default: default and "
+                             "reduce-overhead; none: eager only)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ops:
@@ -170,13 +173,17 @@ def main(argv=None):
     import torch
     from floors import decode_flops
     from reference import vae_decoder
-    from torch_timing import by_family, cuda_spans, kernel_table, matmul_tflops, median_ms, table_lines
+    from torch_timing import (COMPILE_MODES, by_family, compile_description, compile_into, cuda_spans, kernel_table, matmul_tflops, median_ms,
+                              table_lines)
+    modes = list(COMPILE_MODES) if args.compile_modes is None else args.compile_modes
     from moss_cli.gpu.decoder import CudaDecoder
 
     tensors = random_tensors(SMALL, args.seed)
     dec = CudaDecoder(tensors, SMALL)
     baseline = f"torch {torch.__version__} eager statement of the decoder, fp32 / TF32 convolutions"
     record = {"config": SMALL, "baseline": baseline, "sizes": {}}
+    if modes:
+        record["torch_compile"] = compile_description(modes)
     torch.backends.cuda.matmul.allow_tf32 = False
     rate = record["fp16_product_tflops"] = matmul_tflops(8192, 8192, 8192, torch.float16)   # the split's rate
     for size in args.sizes:
@@ -218,6 +225,10 @@ def main(argv=None):
                 if ref_pixels is not None:
                     row[f"torch_{name}_vs_float64"] = off(vae_decoder.to_pixels(vae_decoder.decode(t32, SMALL, lat)),
                                                           ref_pixels)
+        if modes:          # torch.compile of the TF32 statement, the fastest eager one (weights static for graphs)
+            with torch.no_grad():
+                compile_into(row, lambda: vae_decoder.decode(t32, SMALL, lat), 10, modes, static=list(t32.values()))
+        torch.backends.cudnn.allow_tf32 = False
         del t32
         torch.cuda.empty_cache()
         record["sizes"][f"{size}x{size}"] = row

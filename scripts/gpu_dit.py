@@ -40,8 +40,8 @@ from moss_cli.transformer import DEFAULTS, expected_tensors
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floors import step_flops  # noqa: E402
 from reference.dit import Statement as TorchDit, random_vector  # noqa: E402
-from torch_timing import (COMPILE_MODES, best_mode, compiled_ms, cuda_spans, kernel_table, matmul_tflops,  # noqa: E402
-                          median_ms, table_lines)
+from torch_timing import (COMPILE_MODES, best_mode, compile_description, compiled_ms, cuda_spans,  # noqa: E402
+                          kernel_table, matmul_tflops, median_ms, table_lines)
 
 TEXT = 300
 SKIP = (22,)
@@ -139,13 +139,7 @@ def main():
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "text_tokens": TEXT}
     if args.compile_modes:
-        try:
-            import triton
-            version = triton.__version__
-        except ImportError:          # inductor then fails per mode, and the rows say so
-            version = "absent"
-        out["torch_compile"] = {"torch": torch.__version__, "triton": version, "backend": "inductor",
-                                "modes": args.compile_modes, "dynamic": False}
+        out["torch_compile"] = compile_description(args.compile_modes)
     check_statement(out)
     cfg = dict(DEFAULTS)
     torch.manual_seed(0)

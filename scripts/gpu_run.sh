@@ -9,7 +9,8 @@
 # torch), ncu (Nsight Compute on named launch groups), gaps (the encoder graph's idle time under CUPTI),
 # dit (the DiT at real size: accuracy against float64 and speed, ours beside torch eager and torch.compile;
 # DIT_ARGS="--compile-modes default max-autotune-no-cudagraphs" picks the modes; --speed-only: the step times
-# alone, ~4 minutes less), load (a random real-size folder in
+# alone, ~4 minutes less), decoder (ours against torch's fp32 and TF32 statement and torch.compile of the TF32
+# one at 512, 1024 and 2048: scripts/gpu_decoder.py $DECODER_ARGS, then tests/gpu/test_decoder_gpu.py), load (a random real-size folder in
 # $LOAD_MODEL, default /tmp/moss-real, made if absent; then scripts/gpu_load.py $LOAD_ARGS on it), picture
 # (the whole picture from that folder on the GPU: scripts/gpu_picture.py $PICTURE_ARGS, then a second process;
 # PICTURE_PROFILE=1 adds a third under cProfile, picture_profile.txt; PICTURE_COLD=1 one more on a cold page
@@ -25,8 +26,9 @@
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
 # three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS (--profile: one more warm call under
 # cProfile, $COST_NAME_profile.txt), into $COST_NAME.json, default
-# call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32,
-# speed and accuracy against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
+# call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32
+# and torch.compile of the TF32 one (--compile-modes picks the modes, none for eager only), speed and accuracy
+# against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
 # tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
 # .wheels/diffusers), lora (a random rank-64 adapter on every DiT linear of that folder: the GPU merge's time, steps with
 # and without it, moss-server's switches between it and the base: scripts/gpu_lora.py $LORA_ARGS), tables (BENCHMARKS.md's

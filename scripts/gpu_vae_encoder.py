@@ -77,13 +77,17 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024])
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-modes", nargs="*", default=None,
+                        help="torch.compile modes of diffusers' TF32 encode timed beside eager (default: default and "
+                             "reduce-overhead; none: eager only)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     import diffusers
     import torch
     from diffusers import AutoencoderKLFlux2
-    from torch_timing import median_ms
+    from torch_timing import COMPILE_MODES, compile_description, compile_into, median_ms
+    modes = list(COMPILE_MODES) if args.compile_modes is None else args.compile_modes
     from moss_cli.gpu.image_encoder import CudaImageEncoder
 
     tensors = random_tensors(REAL, args.seed)
@@ -93,6 +97,8 @@ def main(argv=None):
     record = {"config": REAL, "device": torch.cuda.get_device_name(),
               "baseline": f"diffusers {diffusers.__version__} AutoencoderKLFlux2 encode (torch {torch.__version__}), "
                           "posterior mode, patchify, BN normalisation; fp32 and TF32", "sizes": {}}
+    if modes:
+        record["torch_compile"] = compile_description(modes)
     start = time.perf_counter()
     enc = CudaImageEncoder(tensors, REAL)
     for size in args.sizes:
@@ -116,6 +122,9 @@ def main(argv=None):
             row[f"diffusers_{name}_vs_float64"] = errors(got, ref)
             if not tf32:
                 row["ours_vs_diffusers_fp32"] = errors(ours, got)
+        if modes:          # torch.compile of the TF32 encode, the fastest eager one (weights static for graphs)
+            with torch.no_grad():
+                compile_into(row, lambda: official(model, x), 10, modes, static=list(model.parameters()))
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)

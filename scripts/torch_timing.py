@@ -62,6 +62,27 @@ def best_mode(timings):
     return min(ran, key=ran.get) if ran else None
 
 
+def compile_description(modes):
+    """How a run's torch.compile rows were made (bench_tables names them from this)."""
+    try:
+        import triton
+        version = triton.__version__
+    except ImportError:          # inductor then fails per mode, and the rows say so
+        version = "absent"
+    return {"torch": torch.__version__, "triton": version, "backend": "inductor", "modes": list(modes),
+            "dynamic": False}
+
+
+def compile_into(row, fn, reps, modes, static=()):
+    """row["torch_compile"] = compiled_ms(...) of fn, and where a mode ran, its best: "torch_compile_best" and
+    "torch_compile_ms" (the keys bench_tables reads for every stage)."""
+    row["torch_compile"] = compiled_ms(fn, reps, modes, static=static)
+    best = best_mode(row["torch_compile"])
+    if best:
+        row.update(torch_compile_best=best, torch_compile_ms=row["torch_compile"][best]["ms"])
+    return row
+
+
 def matmul_tflops(m, k, n, dtype):
     """TFLOP/s torch.matmul reaches on one [m, k] x [k, n] product of random `dtype` operands (median of 20):
     the rate a floor takes its products at."""

@@ -170,3 +170,37 @@ def test_the_budget_table_reads_gpu_budget_rows():
     assert lines[5] == ("| 8 | 7.5 GB (free GPU memory), layers streamed | 28.00 s | 2.00 | 7.9 GB | 700.0 GB (14.00 s) "
                         "| yes |")
     assert "moss-encode 5.00 s (peak 7.0 GB)" in lines[-1] and "equals" in lines[-1]
+
+
+def test_the_decoder_and_vae_encoder_tables_name_torch_compile_of_the_tf32_statement():
+    """With torch.compile timed: its best mode and ratio as two more columns, a failed mode leaving its cells empty,
+    and a plain sentence where it beat ours; without it the tables keep their columns."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    head = {"torch_compile": {"torch": "2.11.0", "triton": "3.5.0", "backend": "inductor"}}
+    dec = dict(head, fp16_product_tflops=730.0, sizes={
+        "512x512": {"ours_ms": 21.9, "torch_fp32_ms": 60.1, "torch_tf32_ms": 22.5, "floor_ms": 5.8,
+                    "torch_compile": {"default": {"ms": 20.0, "compile_s": 30.0}},
+                    "torch_compile_best": "default", "torch_compile_ms": 20.0},
+        "1024x1024": {"ours_ms": 89.9, "torch_fp32_ms": 242.0, "torch_tf32_ms": 90.7, "floor_ms": 24.7,
+                      "torch_compile": {"default": {"error": "OutOfMemoryError"}}}})
+    text = "\n".join(bench_tables.decoder(dec))
+    assert "torch.compile (inductor, torch 2.11.0, triton 3.5.0) of the TF32 statement, best mode | that / ours |" in text
+    assert "| 20.0 ms (default) | 0.91 |" in text                  # 20.0 / 21.9
+    assert text.count("\n| decode, 1024x1024") == 1 and "| 1.01 |  |  |" in text
+    assert "At 512x512 ours is behind torch.compile (default): 21.9 ms a decode against 20.0 ms." in text
+    assert "1024x1024 ours is behind" not in text
+    venc = dict(head, sizes={"1024x1024": {
+        "ours_ms": 69.5, "diffusers_fp32_ms": 186.2, "diffusers_tf32_ms": 72.1, "ours_vs_float64": {"rel_l2": 3.9e-6},
+        "diffusers_fp32_vs_float64": {"rel_l2": 2.6e-6}, "diffusers_tf32_vs_float64": {"rel_l2": 9.9e-4},
+        "torch_compile": {"default": {"ms": 75.0, "compile_s": 20.0}}, "torch_compile_best": "default",
+        "torch_compile_ms": 75.0}})
+    text = "\n".join(bench_tables.vae_encoder(venc))
+    assert "| encode, 1024x1024 | 69.5 ms (3.9e-06) | 186.2 ms (2.6e-06) | 72.1 ms (0.00099) | 1.04 | 75.0 ms (default) | 1.08 |" in text
+    assert "behind" not in text
+    for d in (dec, venc):                    # without torch.compile: the columns as before
+        del d["torch_compile"]
+        for s in d["sizes"].values():
+            for key in ("torch_compile", "torch_compile_best", "torch_compile_ms"):
+                s.pop(key, None)
+    assert "torch.compile" not in "\n".join(bench_tables.decoder(dec) + bench_tables.vae_encoder(venc))
