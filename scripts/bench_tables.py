@@ -29,10 +29,13 @@ def _ratio(base, ours):
     return f"{base / ours:.2f}" if isinstance(base, (int, float)) and ours else ""
 
 
-def encoder(d, fla=None):
+def encoder(d, fla=None, plain=None):
     """The encode rows; with `fla` (encoder_baseline_fla.json: transformers with flash-linear-attention's
-    delta rule, beside ours in that process) a second baseline and its ratio to ours as measured beside it."""
+    delta rule, beside ours in that process) a second baseline and its ratio to ours as measured beside it;
+    where a baseline run (`plain`: encoder_baseline_torch.json, transformers with its torch fallbacks; `fla`)
+    timed torch.compile of its forward, that run's best mode and its ratio to ours in that process."""
     rows = []
+    compiled = [run for run in (plain, fla) if run and any("torch_compile" in s for s in run["speed"].values())]
     for n, s in sorted(d["speed"].items(), key=lambda kv: int(kv[0])):
         base = s.get("transformers_bf16_ms")
         row = [f"encode, {n} tokens", f"{s['ours_into_pinned_ms']:.2f} ms", f"{base:.1f} ms" if base else "",
@@ -41,10 +44,17 @@ def encoder(d, fla=None):
             f = fla["speed"].get(str(n), {})
             row += [f"{f['transformers_bf16_ms']:.1f} ms" if f else "",
                     _ratio(f.get("transformers_bf16_ms"), f.get("ours_into_pinned_ms"))]
+        for run in compiled:
+            r = run["speed"].get(str(n), {})
+            row += [f"{r['torch_compile_ms']:.1f} ms ({r['torch_compile_best']})" if "torch_compile_ms" in r else "",
+                    _ratio(r.get("torch_compile_ms"), r.get("ours_into_pinned_ms"))]
         rows.append(row)
     head = ["figure", "ours", "transformers bf16 (torch fallbacks)", "floor", "baseline / ours"]
     if fla:
         head += ["transformers bf16 + flash-linear-attention", "that / ours (same process)"]
+    for run in compiled:
+        which = "+ flash-linear-attention" if run is fla else "(torch fallbacks)"
+        head += [f"{_compile_name(run)} of transformers {which}, best mode", "that / ours"]
     return ["### Encoder (Qwen3.5-9B)", ""] + _table(head, rows)
 
 
@@ -318,7 +328,7 @@ def tables(folder):
     if enc:
         fla = _load(folder, "encoder_baseline_fla.json")
         bound = fla and any(str(m).startswith("fla") for m in fla.get("kernels", {}).values())
-        parts += encoder(enc, fla if bound else None) + [""]
+        parts += encoder(enc, fla if bound else None, _load(folder, "encoder_baseline_torch.json")) + [""]
     if dj:
         parts += dit(dj) + [""]
     if dec:

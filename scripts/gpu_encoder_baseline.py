@@ -44,12 +44,17 @@ def bound_kernels():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--compile-modes", nargs="*", default=["default"],
+                        help="torch.compile modes of transformers' forward timed beside eager (none: eager only)")
     args = parser.parse_args()
     from gpu_encoder_9b import CONFIG, LENGTHS, hf_model, make_weights, replay_ms
+    from torch_timing import compile_description, compile_into
     from moss_cli.gpu.encoder import CudaEncoder
 
     result = {"packages": {p: importlib.util.find_spec(p) is not None for p in ("fla", "causal_conv1d")},
               "kernels": bound_kernels(), "speed": {}}
+    if args.compile_modes:
+        result["torch_compile"] = compile_description(args.compile_modes)
     print(json.dumps({k: result[k] for k in ("packages", "kernels")}), flush=True)
     tensors = make_weights(CONFIG)
     prompts = {n: np.random.default_rng(7).integers(0, 248077, n) for n in LENGTHS}
@@ -72,8 +77,12 @@ def main():
         row = result["speed"][n]
         row["transformers_bf16_ms"] = 1e3 * statistics.median(times[2:])
         row["ratio"] = row["transformers_bf16_ms"] / row["ours_into_pinned_ms"]
+        if args.compile_modes:      # the same forward under torch.compile, each mode afresh (weights static)
+            with torch.no_grad():
+                compile_into(row, lambda: model(batch), 5, args.compile_modes, static=list(model.parameters()))
         print(f"{n} tokens: ours {row['ours_into_pinned_ms']:.2f} ms, transformers bf16 "
-              f"{row['transformers_bf16_ms']:.2f} ms ({row['ratio']:.1f}x)", flush=True)
+              f"{row['transformers_bf16_ms']:.2f} ms ({row['ratio']:.1f}x); torch.compile "
+              f"{row.get('torch_compile_ms', row.get('torch_compile'))}", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -35,7 +35,7 @@
 # tables from this run's outputs: scripts/bench_tables.py), same (the tiny checkpoint's artifacts on the GPU from the tree
 # in $SAME_TREE, default before/, e.g. `git archive c556c19 moss_cli cuda_kernels | tar x -C before`, against this
 # one's, tensor for tensor: scripts/gpu_same_artifacts.py, same.json), baseline (transformers' encoder with and without
-# flash-linear-attention, wheels in .wheels/fla, beside ours: scripts/gpu_encoder_baseline.py). The benchmark
+# flash-linear-attention, wheels in .wheels/fla, beside ours, each also under torch.compile: scripts/gpu_encoder_baseline.py). The benchmark
 # run in one call (under 10 minutes):
 #   ENCODER_ARGS=--quick bash scripts/gpu_run.sh dit decoder load picture encoder baseline tables
 # Wheels for what the image lacks are read from .wheels/ (cp312, manylinux x86_64), made with

@@ -204,3 +204,16 @@ def test_the_decoder_and_vae_encoder_tables_name_torch_compile_of_the_tf32_state
             for key in ("torch_compile", "torch_compile_best", "torch_compile_ms"):
                 s.pop(key, None)
     assert "torch.compile" not in "\n".join(bench_tables.decoder(dec) + bench_tables.vae_encoder(venc))
+
+
+def test_the_encoder_table_takes_torch_compile_from_the_baseline_runs():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_tables
+    ours = {"speed": {"100": {"ours_into_pinned_ms": 7.63, "transformers_bf16_ms": 63.6}}}
+    plain = {"torch_compile": {"torch": "2.11.0", "triton": "3.5.0", "backend": "inductor"}, "speed": {"100": {
+        "ours_into_pinned_ms": 7.7, "transformers_bf16_ms": 63.0, "torch_compile_best": "default",
+        "torch_compile_ms": 30.8, "torch_compile": {"default": {"ms": 30.8, "compile_s": 60.0}}}}}
+    text = "\n".join(bench_tables.encoder(ours, None, plain))
+    assert "of transformers (torch fallbacks), best mode | that / ours |" in text
+    assert "| 30.8 ms (default) | 4.00 |" in text          # 30.8 / 7.7, the ratio within that process
+    assert "torch.compile" not in "\n".join(bench_tables.encoder(ours, None, None))
