@@ -49,6 +49,8 @@
 # safetensors, regex, requests, filelock, pillow; importlib_metadata is the standard library's on 3.12):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .wheels/diffusers diffusers==0.42.1
+# and flash-linear-attention for the baseline step's second run, likewise:
+#   pip download ... -d .wheels/fla flash-linear-attention==0.6.0 fla-core==0.6.0
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
