@@ -167,3 +167,16 @@ def test_the_shipped_files_are_current_for_the_pinned_toolchain():
     # the check sees an edit: another sources digest makes the same files stale
     kernels, reason = prebuilt.read(prebuilt.FOLDER / "sm_90a.kernels", "sm_90a", digest="0" * 64)
     assert kernels is None and reason.startswith("stale")
+
+
+def test_an_edit_of_a_kernel_module_changes_the_digest_and_one_of_the_tooling_does_not(tmp_path):
+    import shutil
+    for path in (ROOT / "cuda_kernels").glob("*.py"):
+        shutil.copy(path, tmp_path / path.name)
+    before = prebuilt.sources_digest(tmp_path)
+    assert before == prebuilt.sources_digest()
+    for name in prebuilt.TOOLING:              # the contract, the resource record and this loader
+        (tmp_path / name).write_text((tmp_path / name).read_text() + "\n# edited\n")
+    assert prebuilt.sources_digest(tmp_path) == before
+    (tmp_path / "norms.py").write_text((tmp_path / "norms.py").read_text() + "\n# edited\n")
+    assert prebuilt.sources_digest(tmp_path) != before
