@@ -65,14 +65,12 @@ def _compile_name(d):
     return f"torch.compile ({', '.join(parts)})"
 
 
-def _behind(d):
-    """One plain sentence per size where torch.compile's best mode was faster than ours."""
-    lines = []
-    for size, s in sorted(d["sizes"].items(), key=lambda kv: int(kv[0])):
-        if "torch_compile_ms" in s and s["torch_compile_ms"] < s["ours_ms"]:
-            lines.append(f"At {size}x{size} ours is behind torch.compile ({s['torch_compile_best']}): "
-                         f"{s['ours_ms']:.1f} ms a step against {s['torch_compile_ms']:.1f} ms.")
-    return lines
+def _behind(d, what, label=str):
+    """One plain sentence per size where torch.compile's best mode was faster than ours (`what`: 'a step';
+    `label`: the size key as the sentence names it)."""
+    return [f"At {label(size)} ours is behind torch.compile ({s['torch_compile_best']}): {s['ours_ms']:.1f} ms {what} "
+            f"against {s['torch_compile_ms']:.1f} ms."
+            for size, s in d["sizes"].items() if "ours_ms" in s and s.get("torch_compile_ms", 1e30) < s["ours_ms"]]
 
 
 def dit_compile(d):
@@ -119,7 +117,7 @@ def dit(d):
         head += [f"{_compile_name(d)}, best mode", "that / ours"]
         rows = [row + [""] * (len(head) - len(row)) for row in rows]
     out = [f"### DiT ({d.get('text_tokens', '?')}-token prompts)", ""] + _table(head, rows)
-    behind = _behind(d)
+    behind = _behind(d, "a step", lambda n: f"{n}x{n}")
     extra = dit_compile(d)
     return out + ([""] + behind if behind else []) + ([""] + extra if extra else [])
 
@@ -140,13 +138,6 @@ def _compiled(d, s, ours):
     return [f"{s['torch_compile_ms']:.1f} ms ({s['torch_compile_best']})", _ratio(s["torch_compile_ms"], ours)]
 
 
-def _behind_sized(d, what):
-    """One plain sentence per size (keys such as '1024x1024') where torch.compile's best mode beat ours."""
-    return [f"At {size} ours is behind torch.compile ({s['torch_compile_best']}): {s['ours_ms']:.1f} ms {what} "
-            f"against {s['torch_compile_ms']:.1f} ms."
-            for size, s in d["sizes"].items() if "ours_ms" in s and s.get("torch_compile_ms", 1e30) < s["ours_ms"]]
-
-
 def decoder(d):
     """Ours vs torch fp32 and TF32 (and torch.compile of the TF32 statement, where the run timed it) vs the floor:
     the decode's FLOPs three times over (the split's three fp16 products) at the fp16 rate torch.matmul reached in
@@ -165,7 +156,7 @@ def decoder(d):
     if any("torch_compile" in s for s in d["sizes"].values()):
         head += [f"{_compile_name(d)} of the TF32 statement, best mode", "that / ours"]
         rows = [row + [""] * (len(head) - len(row)) for row in rows]
-    behind = _behind_sized(d, "a decode")
+    behind = _behind(d, "a decode")
     return ["### Decoder (pixels off by one vs float64)", ""] + _table(head, rows) + ([""] + behind if behind else [])
 
 
@@ -182,7 +173,7 @@ def vae_encoder(d):
     head = ["figure (rel. L2 vs float64)", "ours", "diffusers fp32", "diffusers TF32", "TF32 / ours"]
     if any("torch_compile" in s for s in d["sizes"].values()):
         head += [f"{_compile_name(d)} of the TF32 encode, best mode", "that / ours"]
-    behind = _behind_sized(d, "an encode")
+    behind = _behind(d, "an encode")
     return ["### VAE encoder", ""] + _table(head, rows) + ([""] + behind if behind else [])
 
 
