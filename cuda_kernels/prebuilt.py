@@ -258,34 +258,67 @@ def build(cache, out, targets=tuple(TARGETS), jobs=1):
     return report
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m cuda_kernels.prebuilt", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="what", required=True)
-    b = sub.add_parser("build", help="compile every recorded kernel for each target")
-    b.add_argument("--cache", default=None, help="numba cache folder the kernels were recorded in "
-                   "(default: this install's kernel cache for the current sources)")
-    b.add_argument("--out", default=None, help="folder to write (default: $MOSS_PREBUILT_KERNELS or the package's)")
-    b.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
-    b.add_argument("--jobs", type=int, default=min(len(TARGETS), os.cpu_count() or 1), help="targets built at once")
-    c = sub.add_parser("check", help="each file's state for this install")
-    c.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+def _build_options(parser):
+    parser.add_argument("--cache", default=None, help="numba cache folder the kernels were recorded in "
+                        "(default: this install's kernel cache for the current sources)")
+    parser.add_argument("--out", default=None, help="folder to write (default: $MOSS_PREBUILT_KERNELS or the package's)")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--jobs", type=_count, default=min(len(TARGETS), os.cpu_count() or 1),
+                        help="targets built at once")
+
+
+def _count(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return int(text)
+
+
+def build_arguments(argv, prog, description):
+    """The build options parsed; a usage error exits 2 with `prog`'s usage, before any work."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    _build_options(parser)
+    return parser.parse_args(argv)
+
+
+def run_build(args, prog, prepare=None):
+    """Build the files from the recording (with none recorded, tell their state); 1 where --cache names no folder.
+    `prepare`: called once the arguments are found good, before anything is read or built."""
     out = Path(args.out) if args.out else folder()
-    if args.what == "check":
-        for target in TARGETS:
-            kernels, why = read(out / (target + SUFFIX), target)
-            print(f"{target}: " + (f"{len(kernels)} kernels, usable" if kernels is not None else why))
-        return 0
+    if args.cache and not Path(args.cache).is_dir():
+        print(f"{prog}: error: --cache {args.cache}: no such folder", file=sys.stderr)
+        return 1
+    if prepare is not None:
+        prepare()
     from .core import CACHE_DIR
     cache = args.cache or CACHE_DIR
     if not cache or not recorded(cache):
         print(f"no kernels recorded in {cache} (a run on a GPU records every kernel it compiles): the prebuilt "
               f"files in {out} stay as they are", file=sys.stderr)
-        return main(["check", "--out", str(out)])
+        return check(out)
     for target, (n, size, failed) in build(cache, out, args.targets, args.jobs).items():
         print(f"{out / (target + SUFFIX)}: {n} kernels, {size / 1e6:.3f} MB"
               + (f"; left out: {'; '.join(failed)}" if failed else ""))
     return 0
+
+
+def check(out):
+    """Each target file's state for this install, a line each."""
+    for target in TARGETS:
+        kernels, why = read(out / (target + SUFFIX), target)
+        print(f"{target}: " + (f"{len(kernels)} kernels, usable" if kernels is not None else why))
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m cuda_kernels.prebuilt", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    _build_options(sub.add_parser("build", help="compile every recorded kernel for each target"))
+    c = sub.add_parser("check", help="each file's state for this install")
+    c.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.what == "check":
+        return check(Path(args.out) if args.out else folder())
+    return run_build(args, "python -m cuda_kernels.prebuilt build")
 
 
 if __name__ == "__main__":

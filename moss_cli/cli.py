@@ -502,33 +502,15 @@ def build_kernels_command():
     """moss-cli-build-kernels [--cache DIR] [--out DIR] [--targets ...] [--jobs N]: what a first process would
     otherwise compile, compiled now (no GPU needed, e.g. in an image's build step): the upload lanes' host loop
     into numba's cache, then the prebuilt GPU kernel files from the kernels recorded in the kernel cache
-    (cuda_kernels/prebuilt.py builds them). Usage errors and a missing --cache folder stop it before any work."""
-    import argparse
+    (cuda_kernels/prebuilt.py). Usage errors and a missing --cache folder stop it before any work."""
     from cuda_kernels import prebuilt
+    prog = "moss-cli-build-kernels"
+    args = prebuilt.build_arguments(sys.argv[1:], prog, "Compile now, without a GPU, what a first process would "
+                                    "compile: the upload lanes' host loop, then the prebuilt kernel files from the "
+                                    "kernels a GPU run recorded in the kernel cache.")
 
-    def count(text):
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"{text} is not a positive count")
-        return text
-
-    parser = argparse.ArgumentParser(prog="moss-cli-build-kernels", description="Compile now, without a GPU, what a "
-                                     "first process would compile: the upload lanes' host loop, then the prebuilt "
-                                     "kernel files from the kernels a GPU run recorded in the kernel cache.")
-    parser.add_argument("--cache", help="numba cache folder the kernels were recorded in (default: this install's)")
-    parser.add_argument("--out", help="folder to write (default: $MOSS_PREBUILT_KERNELS or the package's)")
-    parser.add_argument("--targets", nargs="+", choices=list(prebuilt.TARGETS), help="default: all")
-    parser.add_argument("--jobs", type=count, help="targets built at once")
-    args = parser.parse_args()
-    if args.cache and not Path(args.cache).is_dir():
-        click.echo(f"moss-cli-build-kernels: error: --cache {args.cache}: no such folder", err=True)
-        sys.exit(1)
-    from .memory.lanes import warm_without_gpu
-    warm_without_gpu()
-    click.echo("moss-cli-build-kernels: the upload lanes' loop is compiled", err=True)
-    argv = ["build"]
-    for name in ("cache", "out", "jobs"):
-        if getattr(args, name):
-            argv += [f"--{name}", getattr(args, name)]
-    if args.targets:
-        argv += ["--targets", *args.targets]
-    sys.exit(prebuilt.main(argv))
+    def compile_the_lanes():
+        from .memory.lanes import warm_without_gpu
+        warm_without_gpu()
+        click.echo(f"{prog}: the upload lanes' loop is compiled", err=True)
+    sys.exit(prebuilt.run_build(args, prog, prepare=compile_the_lanes))
