@@ -230,9 +230,11 @@ def recorded(cache):
 
 
 def _build_target(cache, out, target):
-    """(kernels, bytes, failures) of out/<target>.kernels written from the kernels recorded in `cache`; a kernel
-    the target cannot compile (e.g. an instruction its architecture lacks) is left out, named in failures."""
-    entries, failed = {}, []
+    """(kernels, bytes, failures) of out/<target>.kernels written from the kernels recorded in `cache`, added to
+    those of the file there where it is usable (a build from a run that used some kernels keeps the others); a
+    kernel the target cannot compile (e.g. an instruction its architecture lacks) is left out, named in failures."""
+    kept, _ = read(Path(out) / (target + SUFFIX), target)
+    entries, failed = dict(kept or {}), []
     for key, payload in recorded(cache).items():
         try:
             entries[key] = entry(payload, target)

@@ -180,3 +180,17 @@ def test_an_edit_of_a_kernel_module_changes_the_digest_and_one_of_the_tooling_do
     assert prebuilt.sources_digest(tmp_path) == before
     (tmp_path / "norms.py").write_text((tmp_path / "norms.py").read_text() + "\n# edited\n")
     assert prebuilt.sources_digest(tmp_path) != before
+
+
+def test_a_build_adds_the_recorded_kernels_to_a_usable_file_and_replaces_a_bad_one(tmp_path, monkeypatch):
+    """A build from a run that recorded some kernels keeps the others a usable file holds; an unusable file's
+    are not kept."""
+    path = tmp_path / "sm_90a.kernels"
+    prebuilt.write(path, "sm_90a", {"old": b"old entry", "both": b"stale entry"})
+    monkeypatch.setattr(prebuilt, "recorded", lambda cache: {"new": {}, "both": {}})
+    monkeypatch.setattr(prebuilt, "entry", lambda payload, target: b"fresh entry")
+    assert prebuilt._build_target("cache", tmp_path, "sm_90a")[0] == 3
+    assert prebuilt.read(path, "sm_90a")[0] == {"old": b"old entry", "both": b"fresh entry", "new": b"fresh entry"}
+    prebuilt.write(path, "sm_90a", {"old": b"old entry"}, digest="0" * 64)        # stale: nothing kept
+    assert prebuilt._build_target("cache", tmp_path, "sm_90a")[0] == 2
+    assert set(prebuilt.read(path, "sm_90a")[0]) == {"new", "both"}
