@@ -173,8 +173,8 @@ def main(argv=None):
     import torch
     from floors import decode_flops
     from reference import vae_decoder
-    from torch_timing import (COMPILE_MODES, by_family, compile_description, compile_into, cuda_spans, kernel_table, matmul_tflops, median_ms,
-                              table_lines)
+    from torch_timing import (COMPILE_MODES, by_family, compile_description, compile_into, cuda_spans, kernel_table,
+                              matmul_tflops, median_ms, table_lines)
     modes = list(COMPILE_MODES) if args.compile_modes is None else args.compile_modes
     from moss_cli.gpu.decoder import CudaDecoder
 
