@@ -227,8 +227,11 @@ def encoded(model_for, text, negative, options, fingerprint, negative_cache):
 
 def made(model_for, enc, options, fingerprint, next_seed=None, init=None):
     """(LAT bytes, pixels, PNG text) of one picture of a parsed ENC: what moss-image writes for it, the PNG
-    being png.encode_png(pixels, text). NEXT_SEED and INIT as for stages.denoise."""
-    lat_bytes, _ = stages.denoise(model_for("denoise"), enc, options, next_seed=next_seed, init=init)
+    being png.encode_png(pixels, text). NEXT_SEED and INIT as for stages.denoise. Where the decoder runs on the
+    GPU of the denoising model, its graph for this size is made while the steps replay (stages.decoder_beside)."""
+    model = model_for("denoise")
+    beside = stages.decoder_beside(model, options) if model_for("decode") is model else None
+    lat_bytes, _ = stages.denoise(model, enc, options, next_seed=next_seed, init=init, beside=beside)
     lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
     pixels, text = stages.decode_pixels(model_for("decode"), lat)
     return lat_bytes, pixels, text

@@ -387,7 +387,7 @@ def _decode(model_dir, lat, lora, device, gpu_memory, show_plan, out, quiet):
     if latents is not None and latents.ndim == 4:
         stages.check_room(model.checkpoint, "decode", latents.shape[3] * stages.PATCH,
                           latents.shape[2] * stages.PATCH, model.device)
-    artifacts.write(out, stages.decode(model, lat_artifact))
+    artifacts.write(out, stages.decode(model, lat_artifact, once=True))
     _wrote(progress, out, "PNG")
 
 

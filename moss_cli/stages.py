@@ -570,12 +570,22 @@ def noise_shape(model, options):
     return (1, channels, options.height // PATCH, options.width // PATCH)
 
 
-def denoise(model, enc, options, trace=False, next_seed=None, init=None):
+def decoder_beside(model, options):
+    """The function that makes the GPU decoder's graph for this picture's latents beside the DiT's steps
+    (CudaDenoiser.sample's `beside`, CudaDecoder.graph_maker), or None: not on the GPU, a memory plan that keeps
+    some weights off it (the decoder's own then come after the DiT's), or the graph already made."""
+    if model.device != "cuda" or (model.plan is not None and not model.plan.resident):
+        return None
+    return model.decoder.graph_maker(noise_shape(model, options))
+
+
+def denoise(model, enc, options, trace=False, next_seed=None, init=None, beside=None):
     """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options. NEXT_SEED: the seed
     of the picture made after this one, with the same options: its noise is drawn on a host thread while
     this picture denoises (Model.draw_noise_ahead). INIT: an Init to start from an image (FluxImg2ImgPipeline:
     the schedule cut by the strength, the start latents the image's noised to its first sigma) and, with its
-    mask, to inpaint (FluxInpaintPipeline); a literal one (strength 1, no mask) runs text-to-image as is."""
+    mask, to inpaint (FluxInpaintPipeline); a literal one (strength 1, no mask) runs text-to-image as is.
+    BESIDE: host work done while the GPU's steps replay (decoder_beside; on the GPU only)."""
     from . import sampler
 
     options.check()
@@ -626,7 +636,8 @@ def denoise(model, enc, options, trace=False, next_seed=None, init=None):
     keep = None if mask is None else (image, mask, noise)
     if model.device == "cuda":     # the trajectory on the GPU, one graph per step (gpu.denoiser)
         latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
-                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep)
+                             options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep,
+                             beside=beside)
     else:
         latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
                                  uncond_skip_layers=options.uncond_skip_layers,
@@ -691,14 +702,15 @@ def png_parameters(lat):
     return params
 
 
-def decode(model, lat):
-    """PNG bytes for a LAT artifact."""
+def decode(model, lat, once=False):
+    """PNG bytes for a LAT artifact; `once`: this process decodes nothing else (decode_pixels)."""
     from .png import encode_png
-    return encode_png(*decode_pixels(model, lat))
+    return encode_png(*decode_pixels(model, lat, once))
 
 
-def decode_pixels(model, lat):
-    """(pixels uint8 [H, W, 3], the PNG's text) for a LAT artifact: what `decode` writes as PNG."""
+def decode_pixels(model, lat, once=False):
+    """(pixels uint8 [H, W, 3], the PNG's text) for a LAT artifact: what `decode` writes as PNG. `once`: the
+    process's only decode, which the GPU decoder runs eagerly rather than capturing a graph for it first."""
     from .vae import to_pixels
 
     x = lat.tensors.get("latents")
@@ -714,7 +726,7 @@ def decode_pixels(model, lat):
     model.progress.note(f"decoding {x.shape[3] * PATCH}x{x.shape[2] * PATCH}")
     # the GPU decoder rounds to uint8 on the device (gpu.decoder); the CPU's pixels are vae.to_pixels
     if model.device == "cuda":
-        pixels = decoder.decode(x)
+        pixels = decoder.decode(x, once=once)
     else:
         pixels = to_pixels(check_finite(decoder(x), "the decoded pixels"))
     params = png_parameters(lat)

@@ -1,19 +1,26 @@
-"""CUDA graph capture over an op table (the pool planned by an eager pass first), the streamed layers' window
-and the release of a runner's device memory."""
+"""CUDA graph capture over an op table (the pool planned by a first pass: eager, or a capture thrown away), the
+streamed layers' window and the release of a runner's device memory."""
 
 from numba import cuda
 
 def planned_capture(ops, eager, run):
-    """capture(ops, run) after eager(), the same ops run once eagerly (compiling the kernels, planning the
-    products): the pool records the eager pass's requests, lets go of the blocks it made, and lends the
-    capture's requests the blocks it planned for them (memory.pool)."""
+    """capture(ops, run) after a first pass of the same ops that the pool records (memory.pool): eager(), the
+    ops run once on the GPU (compiling the kernels, planning the products), or with `eager` None, run() captured
+    into a graph that is thrown away, so that nothing runs on the GPU and the whole of it is host work another
+    thread may do while the GPU runs other graphs (no streamed window then). The pool lets go of the blocks the
+    first pass made and lends the capture's requests the blocks it planned for them."""
     pool, window = ops.pool, ops.window
+    if eager is None and window is not None:
+        raise ValueError("a streamed window needs an eager first pass")
     pool.record()
     if window is not None:
         window.begin(ops)          # each streamed layer copied when asked; the order kept for the capture
     try:
-        eager()
-        cuda.synchronize()
+        if eager is None:
+            capture(ops, run, instantiate=False)      # the requests recorded, the graph and its output dropped
+        else:
+            eager()
+            cuda.synchronize()
     finally:
         planned = pool.plan()
         uses = window.finish() if window is not None else None
@@ -25,10 +32,12 @@ def planned_capture(ops, eager, run):
         pool.script(None)
 
 
-def capture(ops, run, uses=None):
+def capture(ops, run, uses=None, instantiate=True):
     """(graph, stream, what run() returned): the ops run() launches on `ops`, captured as one CUDA graph
     (cuda.core graph builder) for replay on the returned stream; host uploads it made are in ops.kept. `uses`:
-    the streamed layers' order (planned_capture's eager pass), their copies then prefetched inside the graph."""
+    the streamed layers' order (planned_capture's eager pass), their copies then prefetched inside the graph.
+    `instantiate` False: the capture is only a record of the pool's requests; it returns None, and neither the
+    graph nor run()'s output outlives it."""
     from cuda.core import Device, StreamOptions
 
     dev = Device()
@@ -48,6 +57,12 @@ def capture(ops, run, uses=None):
         finally:
             ops.stream, ops.capturing = 0, False
             builder.end_building()
+    if not instantiate:
+        del out
+        if hasattr(builder, "close"):
+            builder.close()
+        ops.kept = []
+        return None
     return builder.complete(), stream, out
 
 

@@ -107,8 +107,31 @@ class CudaDecoder:
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
         self._captured = {}
+        self.made_beside = 0      # graphs made by graph_maker's function (beside the DiT's steps), for the timings
+        self.beside_error = None  # why the last of those failed (the decode then makes its graph itself)
         if split_ahead:
             self.ops.split_ahead(tensors)
+
+    def graph_maker(self, shape):
+        """A function that makes the graph for latents of `shape` [1, 128, h, w] with nothing run on the GPU (a
+        capture thrown away plans the pool's blocks, then the capture: gpu.capture.planned_capture), for a host
+        thread to call while the DiT's step graphs replay; None where there is nothing to make (no graphs, or
+        this size's is made). Only while no other op of this process takes pool blocks (the DiT's loop replays
+        graphs and takes none); the blocks it is lent may be the DiT's, written only when the decode replays."""
+        size = tuple(int(n) for n in shape[2:])
+        if not self.graphs or size in self._captured:
+            return None
+        lat_shape = (int(shape[1]),) + size
+
+        def make():
+            if size in self._captured:
+                return
+            try:
+                self._captured[size] = capture_sized(self.ops, self._run, lat_shape, dry=True)
+                self.made_beside += 1
+            except Exception as e:      # not the picture's failure: decode() makes the graph its own way
+                self.beside_error = e
+        return make
 
     def _run(self, latents):
         """The ops of one decode from device latents [128, h, w]; returns the device pixels."""
@@ -125,9 +148,12 @@ class CudaDecoder:
             raise ArtifactError(f"latents have shape {list(latents.shape)}, the VAE expects [1, {packed}, h, w]")
         return latents[0]
 
-    def decode(self, latents):
+    def decode(self, latents, once=False):
+        """Pixels of latents [1, 128, h, w]: a replay of this size's graph, made on first use. `once`: the only
+        decode of this process (moss-decode), run eagerly where no graph of its size exists, since the graph's
+        making runs the same ops eagerly first (equal bytes: tests/gpu/test_decoder_gpu.py)."""
         lat = self._check(latents)
-        if not self.graphs:
+        if not self.graphs or (once and lat.shape[1:] not in self._captured):
             return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
         size = lat.shape[1:]
         if size not in self._captured:
@@ -135,19 +161,21 @@ class CudaDecoder:
         return self._captured[size].replay(lat)
 
 
-def capture_sized(ops, run, shape):
+def capture_sized(ops, run, shape, dry=False):
     """The Captured graph of run(device input) -> device output for a float32 input of this shape: an eager pass
     first (compiles the kernels, splits the weights, plans the products and the pool's blocks), then the
-    capture, whose first node copies the pinned input in."""
+    capture, whose first node copies the pinned input in. `dry`: a capture thrown away instead of the eager
+    pass, nothing run on the GPU (CudaDecoder.graph_maker)."""
     device = cuda.device_array(shape, np.float32)
-    device.copy_to_device(np.zeros(shape, np.float32))
+    if not dry:       # the eager pass reads it (zeros: no NaN through it); a dry pass reads nothing
+        device.copy_to_device(np.zeros(shape, np.float32))
     host = cuda.pinned_array(shape, np.float32)
 
     def replayed():
         device.copy_to_device(host, stream=numba_stream(ops.stream))
         return run(device)
 
-    graph, stream, out = planned_capture(ops, lambda: run(device), replayed)
+    graph, stream, out = planned_capture(ops, None if dry else (lambda: run(device)), replayed)
     return Captured(graph, stream, device, host, out)
 
 

@@ -141,8 +141,12 @@ class CudaDenoiser:
         return self._fixed[key]
 
     def sample(self, noise, sigmas, cond, uncond, guidance, skip_layers=(), skip_start=0.0, skip_stop=1.0,
-               on_step=None, arrays=False, keep=None):
+               on_step=None, arrays=False, keep=None, beside=None):
         """Denoise noise [1, C, h, w] along sigmas [N+1] as sampler.sample does; returns float32 latents.
+
+        `beside`: a function a host thread runs while the steps replay, started once every step graph of the
+        trajectory is captured and waited for before this returns (its exception raised here): host work that
+        runs nothing on the GPU and takes pool blocks only for graphs (the decoder's, CudaDecoder.graph_maker).
 
         on_step(i, sigma, latents_in, velocity) after each step's graph has run: with `arrays` the two are
         host copies (a trace), else None (progress only). `keep`: inpainting's (image latents, latent mask,
@@ -175,49 +179,84 @@ class CudaDenoiser:
             if kind not in graphs:
                 key = (ch, h, w, lengths, cfg, kind)
                 graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity, reads)
+        helper = _Beside(beside) if beside is not None else None
         began = time.perf_counter()
         start, stop = cuda.event(), cuda.event()
         stream = self._stream
         queue = numba_stream(stream)
         ends = [cuda.event() for _ in range(steps)]       # each step's end: its time in `timings`, and progress
-        for i in range(steps):
-            graph = graphs[kinds[i]]
-            latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
-            step.copy_to_device(table_d[i], stream=queue)
-            if i == 0:
-                start.record(queue)
-                first = time.perf_counter()
-            graph.launch(stream)
-            ends[i].record(queue)
-            if i == 0:
-                launch_s = time.perf_counter() - first
-            if keep is not None:
-                stepped = x.copy_to_host(stream=queue)
-                queue.synchronize()
-                kept = keep_region(stepped.reshape(1, ch, h, w), *keep, sigmas[i + 1], last=i == steps - 1)
-                x.copy_to_device(np.ascontiguousarray(kept.reshape(ch, h * w)), stream=queue)
-            if on_step is None:
-                continue
-            if arrays:           # a trace: this step's velocity, copied out before the next step overwrites it
-                v = velocity.copy_to_host(stream=queue).reshape(1, ch, h, w)
-                queue.synchronize()
-                on_step(i, sigmas[i], latents_in, v)
-                continue
-            # progress only: report step i - 1 once it is done, with step i already queued behind it, so
-            # the GPU never waits for the host between steps
-            if i > 0:
-                ends[i - 1].synchronize()
-                on_step(i - 1, sigmas[i - 1], None, None)
-        stop.record(queue)
-        queued = time.perf_counter()
-        out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
-        queue.synchronize()
+        try:
+            for i in range(steps):
+                graph = graphs[kinds[i]]
+                latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
+                step.copy_to_device(table_d[i], stream=queue)
+                if i == 0:
+                    start.record(queue)
+                    first = time.perf_counter()
+                graph.launch(stream)
+                ends[i].record(queue)
+                if i == 0:
+                    launch_s = time.perf_counter() - first
+                if keep is not None:
+                    stepped = x.copy_to_host(stream=queue)
+                    queue.synchronize()
+                    kept = keep_region(stepped.reshape(1, ch, h, w), *keep, sigmas[i + 1], last=i == steps - 1)
+                    x.copy_to_device(np.ascontiguousarray(kept.reshape(ch, h * w)), stream=queue)
+                if on_step is None:
+                    continue
+                if arrays:           # a trace: this step's velocity, copied out before the next step overwrites it
+                    v = velocity.copy_to_host(stream=queue).reshape(1, ch, h, w)
+                    queue.synchronize()
+                    on_step(i, sigmas[i], latents_in, v)
+                    continue
+                # progress only: report step i - 1 once it is done, with step i already queued behind it, so
+                # the GPU never waits for the host between steps
+                if i > 0:
+                    ends[i - 1].synchronize()
+                    on_step(i - 1, sigmas[i - 1], None, None)
+            stop.record(queue)
+            queued = time.perf_counter()
+            out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
+            queue.synchronize()
+        except BaseException:
+            if helper is not None:       # its pool takes end before anything else of this process takes more
+                helper.thread.join()
+            raise
         if on_step is not None and not arrays and steps:
             on_step(steps - 1, sigmas[steps - 1], None, None)
+        beside_s = helper.wait() if helper is not None else None
         # launch_s: the host's cost of one step (its graph launch on an idle queue); later launches wait for
         # room in the launch queue while the GPU works, so the loop's time (queue_s) follows the GPU's
         marks = [start] + ends
         self.timings = {"steps": steps, "gpu_s": cuda.event_elapsed_time(start, stop) / 1e3, "launch_s": launch_s,
                         "queue_s": queued - began, "wall_s": time.perf_counter() - began,
                         "step_ms": [cuda.event_elapsed_time(a, b) for a, b in zip(marks, marks[1:])]}
+        if beside_s is not None:
+            self.timings["beside_s"], self.timings["beside_wait_s"] = beside_s
         return out
+
+
+class _Beside:
+    """A function run on a host thread of its own from now on (CudaDenoiser.sample's `beside`)."""
+
+    def __init__(self, fn):
+        import threading
+        self.error, self.seconds = None, 0.0
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="beside-steps", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        began = time.perf_counter()
+        try:
+            fn()
+        except BaseException as e:       # raised again in the sampling thread (wait)
+            self.error = e
+        self.seconds = time.perf_counter() - began
+
+    def wait(self):
+        """(its seconds, the seconds waited for it now); its exception raised."""
+        began = time.perf_counter()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.seconds, time.perf_counter() - began

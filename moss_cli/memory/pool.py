@@ -21,6 +21,7 @@ BENCHMARKS.md quotes them). A block a captured graph used is never freed: the gr
 
 import bisect
 import gc
+import threading
 import weakref
 
 SMALL = 1 << 20
@@ -54,10 +55,16 @@ class Pool:
         self.plans = []        # per plan(): its takes, the bytes they ask, those still lent when it ran, blocks made
         self.collector_gives = None   # after watch_collector(): blocks given back while the cyclic collector ran
         self._collecting = False
+        # one thread at a time lends, takes back and plans: a graph made on a host thread beside the DiT's steps
+        # (gpu.decoder.CudaDecoder.graph_maker) takes blocks while the collector may give some back in another
+        self._lock = threading.RLock()
 
     def take(self, nbytes):
         """A block of at least nbytes (best fit; exactly nbytes under SMALL), or the script's next block."""
-        nbytes = max(1, int(nbytes))
+        with self._lock:
+            return self._take(max(1, int(nbytes)))
+
+    def _take(self, nbytes):
         block = self._scripted(nbytes) if self._script is not None else None
         if block is None:
             i = bisect.bisect_left(self._free, (nbytes, -1))
@@ -74,6 +81,10 @@ class Pool:
 
     def give(self, block):
         """Take back a block lent by `take`."""
+        with self._lock:
+            self._give(block)
+
+    def _give(self, block):
         if self._collecting:
             self.collector_gives += 1
         if self._trace is not None and block.order in self._held:
@@ -131,6 +142,10 @@ class Pool:
         go; the largest take is placed first, each into the smallest free block that no take placed there
         overlaps in time, else into a new block of its size (so a block's size is that of its largest take).
         Returns the planned block of each take, in take order."""
+        with self._lock:
+            return self._plan()
+
+    def _plan(self):
         trace, self._trace = self._trace or [], None
         for nbytes, order, block in list(self._free):
             if order >= self._recorded_from:

@@ -54,6 +54,8 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_ops(component, dec
     assert decoder.decode(latents).tobytes() == first.tobytes()
     eager = CudaDecoder(component.tensors, component.config, graphs=False).decode(latents)
     assert eager.tobytes() == first.tobytes()
+    once = CudaDecoder(component.tensors, component.config)      # moss-decode's one decode: eager, no graph
+    assert once.decode(latents, once=True).tobytes() == first.tobytes() and not once._captured
 
 
 def _raw_error(decoder, latents, ref):
