@@ -1,7 +1,24 @@
 """CUDA graph capture over an op table (the pool planned by a first pass: eager, or a capture thrown away), the
 streamed layers' window and the release of a runner's device memory."""
 
+import contextlib
+
 from numba import cuda
+
+from cuda_kernels.core import SIMULATED
+
+
+def attached():
+    """A block inside which numba finds its CUDA context attached to this thread: each of its API calls (an array
+    made or viewed, a copy, a launch) then takes it from thread-local storage instead of asking the driver for it
+    again under numba's lock, which costs tens of microseconds a call over the thousands of calls of a graph's
+    passes. numba's own context manager (numba.cuda.cudadrv.devices), where it has one."""
+    if SIMULATED:
+        return contextlib.nullcontext()
+    from numba.cuda.cudadrv import devices
+    runtime = getattr(devices, "_runtime", None)
+    return runtime.ensure_context() if hasattr(runtime, "ensure_context") else contextlib.nullcontext()
+
 
 def planned_capture(ops, eager, run):
     """capture(ops, run) after a first pass of the same ops that the pool records (memory.pool): eager(), the
@@ -9,6 +26,11 @@ def planned_capture(ops, eager, run):
     into a graph that is thrown away, so that nothing runs on the GPU and the whole of it is host work another
     thread may do while the GPU runs other graphs (no streamed window then). The pool lets go of the blocks the
     first pass made and lends the capture's requests the blocks it planned for them."""
+    with attached():
+        return _planned_capture(ops, eager, run)
+
+
+def _planned_capture(ops, eager, run):
     pool, window = ops.pool, ops.window
     if eager is None and window is not None:
         raise ValueError("a streamed window needs an eager first pass")

@@ -16,7 +16,7 @@ from cuda_kernels.core import SIMULATED, from_bf16_bits
 from ..vae import Decoder, _config
 from ..ops.cuda.conv import split_weight_bits
 from ..ops.cuda.table import CudaOps, _is_bf16, numba_stream
-from .capture import planned_capture
+from .capture import attached, planned_capture
 
 
 def _float32(tensors, name):
@@ -154,7 +154,8 @@ class CudaDecoder:
         making runs the same ops eagerly first (equal bytes: tests/gpu/test_decoder_gpu.py)."""
         lat = self._check(latents)
         if not self.graphs or (once and lat.shape[1:] not in self._captured):
-            return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
+            with attached():
+                return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
         size = lat.shape[1:]
         if size not in self._captured:
             self._captured[size] = capture_sized(self.ops, self._run, lat.shape)

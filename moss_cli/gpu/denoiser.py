@@ -23,7 +23,7 @@ from ..sampler import skipped
 from ..schedule import keep_region, timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
 from ..ops.cuda.table import CudaOps, numba_stream
-from .capture import make_window, planned_capture
+from .capture import attached, make_window, planned_capture
 
 
 def _owned(text):
@@ -63,7 +63,8 @@ class CudaDenoiser:
 
     def prepare_text(self, rows):
         """The text refiner on one prompt's rows (eager), once per distinct rows (RefinedTexts)."""
-        return self.texts(rows)
+        with attached():
+            return self.texts(rows)
 
     def forget_texts(self):
         """Drop the kept refined texts (the refiner's weights changed: moss-server's adapter switch)."""

@@ -7,7 +7,7 @@ from numba import cuda
 
 from ..encoder import Qwen35Encoder, check_ids, text_config
 from ..ops.cuda.table import CudaOps, numba_stream, table_rows
-from .capture import make_window, planned_capture
+from .capture import attached, make_window, planned_capture
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -59,7 +59,8 @@ class CudaEncoder:
         measured on the H200)."""
         ids = check_ids(ids, self.config["vocab_size"]).astype(np.int64)
         if not self.graphs or on_layer is not None:
-            return self.model(ids, on_layer=on_layer)
+            with attached():
+                return self.model(ids, on_layer=on_layer)
         n = ids.size
         shape = (n, self.config["hidden_size"])
         if out is None:

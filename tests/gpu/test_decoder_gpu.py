@@ -114,3 +114,28 @@ def test_realistic_size_pixels_within_the_contract_and_unsliced_products_fail_it
     worst, share = _small_decode_off(1024)
     print(f"1024x1024 vs float64, K not sliced: max {worst}, {100 * share:.3f}% off")
     assert share > 1e-3
+
+
+def test_inside_attached_numba_asks_the_driver_for_its_context_once_not_per_call(component, monkeypatch):
+    """gpu.capture.attached: the eager decode's numba calls find the context in thread-local storage. Counted on
+    numba's lookup that takes its lock and asks the driver; without the block (the control) every top-level
+    call makes it."""
+    from numba.cuda.cudadrv import devices
+    from moss_cli.gpu.capture import attached
+    from moss_cli.gpu.decoder import CudaDecoder
+    runtime = devices._runtime
+    lookup, counted = runtime._get_or_create_context_uncached, []
+
+    def counting(devnum):
+        counted.append(devnum)
+        return lookup(devnum)
+    monkeypatch.setattr(runtime, "_get_or_create_context_uncached", counting)
+    latents = np.random.default_rng(9).standard_normal((1, 128, 4, 4)).astype(np.float32)
+    dec = CudaDecoder(component.tensors, component.config, graphs=False)
+    dec.ops.host(dec._run(dec.ops.array(latents[0])))       # outside the block (the control)
+    outside = len(counted)
+    counted.clear()
+    with attached():
+        inside = dec.ops.host(dec._run(dec.ops.array(latents[0])))
+    assert outside > 100 and len(counted) <= 1, (outside, len(counted))
+    assert inside.tobytes() == dec.decode(latents).tobytes()
