@@ -220,6 +220,9 @@ def _profile_table(profile, path):
 
 
 # --- the parent: processes, timed from spawn to exit ---------------------------------------------------
+TREE = None      # --tree: the source tree (a folder holding moss_cli/ and cuda_kernels/) the processes import
+
+
 def run(command, args, cache, cold_host=False, profile=None):
     """One process of `command` with its GPU kernel cache under `cache` (and numba's host cache there too where
     cold_host; its main thread under cProfile into the file `profile` where given): {"wall_s", "teardown_s", the
@@ -227,6 +230,8 @@ def run(command, args, cache, cold_host=False, profile=None):
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+        if TREE:
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(TREE).resolve()), env.get("PYTHONPATH", "")])
         env["XDG_CACHE_HOME"] = str(cache)
         if cold_host:
             env["NUMBA_CACHE_DIR"] = str(Path(cache) / "numba")
@@ -270,9 +275,14 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="one more warm moss-image at the largest size, its main thread under cProfile "
                          "(OUT's stem + _profile.txt; its timings are not in the medians)")
+    ap.add_argument("--tree", default=None,
+                    help="run the moss_cli and cuda_kernels of this folder (e.g. `git archive REV moss_cli cuda_kernels "
+                         "| tar x -C before`: an earlier revision measured in the same call)")
     args = ap.parse_args()
+    global TREE
+    TREE = args.tree
     work = Path(tempfile.mkdtemp(prefix="call-cost-"))
-    out = {"device": args.device, "steps": args.steps, "runs": []}
+    out = {"device": args.device, "steps": args.steps, "runs": [], "tree": args.tree or "."}
     for size in sorted(args.sizes):
         image = ["--model", args.model, "--prompt", PROMPT, "--seed", "1", "--steps", str(args.steps), "--width",
                  str(size), "--height", str(size), "--picture", str(work / f"{size}.png"), "--device", args.device, "--quiet"]

@@ -26,7 +26,8 @@
 # command to its exit, on that folder: first processes with an empty kernel cache and warm ones at 512 and 1024,
 # three each, then the chained commands: scripts/gpu_call_cost.py $COST_ARGS (--profile: one more warm call under
 # cProfile, $COST_NAME_profile.txt), into $COST_NAME.json, default
-# call_cost.json), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32
+# call_cost.json; COST_BEFORE=DIR first runs a tree's sources, e.g. `git archive REV moss_cli cuda_kernels`
+# unpacked there, into ${COST_NAME}_before.json, with $COST_BEFORE_ARGS or else $COST_ARGS), vae_encoder (the VAE encoder at 1024x1024 against diffusers' AutoencoderKLFlux2 in fp32 and TF32
 # and torch.compile of the TF32 one (--compile-modes picks the modes, none for eager only), speed and accuracy
 # against float64: scripts/gpu_vae_encoder.py $VAE_ENCODER_ARGS, vae_encoder.json; then
 # tests/gpu/test_vae_encoder_gpu.py and test_img2img_gpu.py, diffusers on the path for this step alone, from
@@ -155,6 +156,10 @@ for step in "$@"; do
             rm -rf "$rec"
           elif [ "$step" = cost ]; then
             name=${COST_NAME:-call_cost}     # another name keeps a second run (e.g. without prebuilt kernels) beside it
+            if [ -n "${COST_BEFORE:-}" ]; then    # an earlier tree's calls first, in the same call (${name}_before)
+              $limit python3 scripts/gpu_call_cost.py "$model" --tree "$COST_BEFORE" --out "$OUT/${name}_before.json" \
+                ${COST_BEFORE_ARGS:-${COST_ARGS:-}} 2>&1 | tee "$OUT/${name}_before.txt"
+            fi
             $limit python3 scripts/gpu_call_cost.py "$model" --out "$OUT/$name.json" ${COST_ARGS:-} 2>&1 | tee "$OUT/$name.txt"
           elif [ "$step" = server ]; then     # moss-server's requests, one client and four: scripts/server_bench.py
             $limit python3 scripts/server_bench.py --model "$model" --device cuda --out "$OUT/server.json" ${SERVER_ARGS:-} 2>&1 | tee "$OUT/server.txt"
