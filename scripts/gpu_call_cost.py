@@ -270,6 +270,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-chain", action="store_true", help="leave out the chained commands")
+    ap.add_argument("--no-first", action="store_true",
+                    help="leave out the first processes (each size's warm ones then fill one folder first, untimed)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cold-host", action="store_true", help="first processes without numba's host cache either")
     ap.add_argument("--profile", action="store_true",
@@ -286,7 +288,10 @@ def main():
     for size in sorted(args.sizes):
         image = ["--model", args.model, "--prompt", PROMPT, "--seed", "1", "--steps", str(args.steps), "--width",
                  str(size), "--height", str(size), "--picture", str(work / f"{size}.png"), "--device", args.device, "--quiet"]
-        for cache in ["first"] * args.runs + ["warm"] * args.runs:
+        if args.no_first:               # one untimed process fills the warm runs' folder
+            folder = work / f"fill-{size}"
+            run("image", image, folder)
+        for cache in ([] if args.no_first else ["first"] * args.runs) + ["warm"] * args.runs:
             if cache == "first":        # a fresh folder each; the last one, filled, serves the warm runs
                 folder = work / f"first-{len(out['runs'])}"
             r = run("image", image, folder, args.cold_host and cache == "first")
