@@ -218,10 +218,11 @@ def open_models(checkpoint, device, progress, gpu_memory=None, size=None, held=F
     return model_for, chosen
 
 
-def encoded(model_for, text, negative, options, fingerprint, negative_cache):
-    """(ENC bytes, the parsed ENC) of a prompt, with NEGATIVE when the options run a negative pass."""
+def encoded(model_for, text, negative, options, fingerprint, negative_cache, once=False):
+    """(ENC bytes, the parsed ENC) of a prompt, with NEGATIVE when the options run a negative pass; ONCE as for
+    stages.encode."""
     enc_bytes = stages.encode(model_for("encode"), text, negative if options.cfg else None,
-                              negative_cache=negative_cache)
+                              negative_cache=negative_cache, once=once)
     return enc_bytes, artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
 
 
@@ -288,7 +289,9 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress, i
     negative_cache = {}
 
     def kept_encoding(text, group):
-        enc_bytes, enc = encoded(model_for, text, negative, options, fingerprint, negative_cache)
+        # one prompt: its rows and the negative's are the only ones this run encodes (no graph made for them)
+        enc_bytes, enc = encoded(model_for, text, negative, options, fingerprint, negative_cache,
+                                 once=len(groups) == 1)
         if keep is not None:
             for picture in {picture.prompt.index: picture for picture in group}.values():
                 artifacts.write(Path(keep) / keep_names(picture, several)[0], enc_bytes)

@@ -283,7 +283,7 @@ def _encode(model_dir, prompt, negative, no_negative, lora, device, gpu_memory, 
     prompt, negative = _text("--prompt", prompt), _text("--negative", negative)
     artifacts.check_writable(out)
     model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None), lora)
-    artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative))
+    artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative, once=True))
     _wrote(progress, out, "ENC")
 
 

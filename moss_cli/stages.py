@@ -460,9 +460,10 @@ class Model:
 
 # --- encode ----------------------------------------------------------------------------------
 
-def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
+def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None, once=False):
     """ENC bytes for PROMPT (and NEGATIVE unless it is None). NEGATIVE_CACHE, a dict the caller keeps between
-    calls, holds the negative's rows by token ids, so several prompts with one negative encode it once."""
+    calls, holds the negative's rows by token ids, so several prompts with one negative encode it once. ONCE: the
+    process encodes nothing else, so the GPU encoder makes no graph for these rows (CudaEncoder's `once`)."""
     tensors = {}
     for role, text in (("prompt", prompt), ("negative", negative)):
         if text is None:
@@ -476,7 +477,8 @@ def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None):
         rows = cache.get(tuple(ids))
         if rows is None:
             model.progress.note(f"encoding {role}: {len(ids)} tokens")
-            rows = np.array(encoder(ids), dtype=np.float32)   # a copy: the cache keeps it
+            kept = encoder(ids, once=True) if once and model.device == "cuda" else encoder(ids)
+            rows = np.array(kept, dtype=np.float32)   # a copy: the cache keeps it
             cache[tuple(ids)] = check_finite(rows, f"the text encoder's rows for the {role}")
         tensors[f"{role}_rows"] = rows
         tensors[f"{role}_ids"] = np.asarray(ids, dtype=np.int32)

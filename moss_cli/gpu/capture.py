@@ -20,6 +20,20 @@ def attached():
     return runtime.ensure_context() if hasattr(runtime, "ensure_context") else contextlib.nullcontext()
 
 
+def eager_once(ops, run):
+    """run() on `ops` eagerly, for an output used once, so no graph is made of it (a graph's making would run the
+    same ops eagerly first). The pool records the pass as a graph's first pass and then lets go of the blocks it
+    made, which no graph will be lent."""
+    with attached():
+        ops.pool.record()
+        try:
+            return run()
+        finally:
+            ops.pool.forget()
+            if not SIMULATED:
+                cuda.current_context().deallocations.clear()
+
+
 def planned_capture(ops, eager, run):
     """capture(ops, run) after a first pass of the same ops that the pool records (memory.pool): eager(), the
     ops run once on the GPU (compiling the kernels, planning the products), or with `eager` None, run() captured

@@ -16,7 +16,7 @@ from cuda_kernels.core import SIMULATED, from_bf16_bits
 from ..vae import Decoder, _config
 from ..ops.cuda.conv import split_weight_bits
 from ..ops.cuda.table import CudaOps, _is_bf16, numba_stream
-from .capture import attached, planned_capture
+from .capture import attached, eager_once, planned_capture
 
 
 def _float32(tensors, name):
@@ -153,9 +153,12 @@ class CudaDecoder:
         decode of this process (moss-decode), run eagerly where no graph of its size exists, since the graph's
         making runs the same ops eagerly first (equal bytes: tests/gpu/test_decoder_gpu.py)."""
         lat = self._check(latents)
-        if not self.graphs or (once and lat.shape[1:] not in self._captured):
+        eager = lambda: self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))    # noqa: E731
+        if not self.graphs:
             with attached():
-                return self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))
+                return eager()
+        if once and lat.shape[1:] not in self._captured:
+            return eager_once(self.ops, eager)
         size = lat.shape[1:]
         if size not in self._captured:
             self._captured[size] = capture_sized(self.ops, self._run, lat.shape)

@@ -7,7 +7,7 @@ from numba import cuda
 
 from ..encoder import Qwen35Encoder, check_ids, text_config
 from ..ops.cuda.table import CudaOps, numba_stream, table_rows
-from .capture import attached, make_window, planned_capture
+from .capture import attached, eager_once, make_window, planned_capture
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -51,12 +51,14 @@ class CudaEncoder:
         bus's speed, queued behind the graph (a pageable array goes through the driver's staging copy)."""
         return cuda.pinned_array((n, self.config["hidden_size"]), np.float32)
 
-    def __call__(self, ids, on_layer=None, out=None):
+    def __call__(self, ids, on_layer=None, out=None, once=False):
         """Rows [n, hidden] float32 for the n ids; into `out` when given (a float32 array of that shape,
         best one from `host_rows`, which the caller keeps). The copy of the prompt's rows is queued on the
         graph's stream; `timings` splits the GPU's time (CUDA events) from the copy's and the host's wall
         time (at 1000 tokens the copy into a pageable array takes several times the pinned array's DMA,
-        measured on the H200)."""
+        measured on the H200). `once`: these are the only rows of their bucket this process encodes (moss-encode,
+        a moss-image of one prompt): where the bucket has no graph yet they are computed eagerly at the bucket's
+        length, the pass a graph's making runs first (equal bytes: tests/gpu/test_cuda_encoder_tiny.py)."""
         ids = check_ids(ids, self.config["vocab_size"]).astype(np.int64)
         if not self.graphs or on_layer is not None:
             with attached():
@@ -68,6 +70,11 @@ class CudaEncoder:
         elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
             raise ValueError(f"out must be a contiguous float32 {shape}, not {out.dtype} {out.shape}")
         size = bucket(n)
+        if once and size not in self._captured and self.ops.window is None:
+            padded = np.concatenate([ids, np.full(size - n, self.pad_id, np.int64)])
+            out[:] = eager_once(self.ops, lambda: self.model(padded))[:n]
+            self.timings = {"bucket": size, "eager": True}
+            return out
         if size not in self._captured:
             self._capture(size)
         c = self._captured[size]

@@ -147,10 +147,7 @@ class Pool:
 
     def _plan(self):
         trace, self._trace = self._trace or [], None
-        for nbytes, order, block in list(self._free):
-            if order >= self._recorded_from:
-                self._unfree(block)
-                self.bytes -= nbytes
+        self._let_go_recorded()
         start, end, size = {}, {}, {}
         for t, event in enumerate(trace):
             if len(event) == 2:
@@ -176,6 +173,19 @@ class Pool:
         self.plans.append({"takes": len(start), "asked_bytes": sum(size.values()), "held_takes": len(held),
                            "held_bytes": sum(size[t] for t in held), "made_bytes": self.bytes - before})
         return [out[k] for k in sorted(out)]
+
+    def forget(self):
+        """End the recording without a plan (an eager pass no graph follows): the blocks made while recording that
+        are free now are let go, as plan() lets them go."""
+        with self._lock:
+            self._trace = None
+            self._let_go_recorded()
+
+    def _let_go_recorded(self):
+        for nbytes, order, block in list(self._free):
+            if order >= self._recorded_from:
+                self._unfree(block)
+                self.bytes -= nbytes
 
     def script(self, planned):
         """Lend the planned blocks to the next takes, in order (None: best fit again)."""

@@ -89,6 +89,9 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     assert enc(other).shape == (38, first.shape[1]) and enc.timings["bucket"] == 40 and len(enc._captured) == 1
     np.testing.assert_allclose(enc(other), eager_enc(other), rtol=0, atol=1e-4 * np.abs(eager).max())
     assert enc(ids).tobytes() == first.tobytes()
+    # rows used once (moss-encode): eager at the bucket's length (38 ids padded to 40), no graph, the graph's bytes
+    once = CudaEncoder(component.tensors, component.config)
+    assert once(other, once=True).tobytes() == enc(other).tobytes() and not once._captured
 
 
 def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path):
