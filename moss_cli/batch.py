@@ -226,13 +226,13 @@ def encoded(model_for, text, negative, options, fingerprint, negative_cache, onc
     return enc_bytes, artifacts.parse(enc_bytes, "prompt encoding", "encode", fingerprint)
 
 
-def made(model_for, enc, options, fingerprint, next_seed=None, init=None):
+def made(model_for, enc, options, fingerprint, next_seed=None, init=None, once=False):
     """(LAT bytes, pixels, PNG text) of one picture of a parsed ENC: what moss-image writes for it, the PNG
-    being png.encode_png(pixels, text). NEXT_SEED and INIT as for stages.denoise. Where the decoder runs on the
+    being png.encode_png(pixels, text). NEXT_SEED, INIT and ONCE as for stages.denoise. Where the decoder runs on the
     GPU of the denoising model, its graph for this size is made while the steps replay (stages.decoder_beside)."""
     model = model_for("denoise")
     beside = stages.decoder_beside(model, options) if model_for("decode") is model else None
-    lat_bytes, _ = stages.denoise(model, enc, options, next_seed=next_seed, init=init, beside=beside)
+    lat_bytes, _ = stages.denoise(model, enc, options, next_seed=next_seed, init=init, beside=beside, once=once)
     lat = artifacts.parse(lat_bytes, "latents", "denoise", fingerprint)
     pixels, text = stages.decode_pixels(model_for("decode"), lat)
     return lat_bytes, pixels, text
@@ -309,7 +309,8 @@ def _made(pictures, options, negative, model_for, fingerprint, keep, progress, i
             if several:
                 progress.picture(number, len(pictures), describe(picture, len({p.prompt for p in pictures})))
             lat_bytes, pixels, text = made(model_for, enc, dataclasses.replace(options, seed=picture.seed), fingerprint,
-                                           next_seed=order[number].seed if number < len(order) else None, init=init)
+                                           next_seed=order[number].seed if number < len(order) else None, init=init,
+                                           once=len(pictures) == 1)
             if keep is not None:
                 artifacts.write(Path(keep) / keep_names(picture, several)[1], lat_bytes)
             notes = [f"picture {number}/{len(pictures)}"] if several else []

@@ -328,7 +328,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     enc_artifact = artifacts.read(enc, "encode", model.fingerprint, bool(lora))
     progress.start_clock()
     _foreign(progress, enc_artifact)
-    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace), init=start)
+    lat, traced = stages.denoise(model, enc_artifact, opts, trace=bool(trace), init=start, once=True)
     if enc_artifact.foreign:
         lat, traced = artifacts.mark_foreign_input(lat), traced and artifacts.mark_foreign_input(traced)
     if trace:

@@ -581,13 +581,14 @@ def decoder_beside(model, options):
     return model.decoder.graph_maker(noise_shape(model, options))
 
 
-def denoise(model, enc, options, trace=False, next_seed=None, init=None, beside=None):
+def denoise(model, enc, options, trace=False, next_seed=None, init=None, beside=None, once=False):
     """LAT bytes (and TRACE bytes when TRACE) for an ENC artifact and sampling options. NEXT_SEED: the seed
     of the picture made after this one, with the same options: its noise is drawn on a host thread while
     this picture denoises (Model.draw_noise_ahead). INIT: an Init to start from an image (FluxImg2ImgPipeline:
     the schedule cut by the strength, the start latents the image's noised to its first sigma) and, with its
     mask, to inpaint (FluxInpaintPipeline); a literal one (strength 1, no mask) runs text-to-image as is.
-    BESIDE: host work done while the GPU's steps replay (decoder_beside; on the GPU only)."""
+    BESIDE: host work done while the GPU's steps replay (decoder_beside; on the GPU only). ONCE: the process
+    samples nothing else (CudaDenoiser.sample's `once`: no graph for a step kind only the first step has)."""
     from . import sampler
 
     options.check()
@@ -639,7 +640,7 @@ def denoise(model, enc, options, trace=False, next_seed=None, init=None, beside=
     if model.device == "cuda":     # the trajectory on the GPU, one graph per step (gpu.denoiser)
         latents = dit.sample(x0, sig, cond, uncond, options.guidance, options.uncond_skip_layers,
                              options.skip_start, options.skip_stop, on_step=on_step, arrays=trace, keep=keep,
-                             beside=beside)
+                             beside=beside, once=once)
     else:
         latents = sampler.sample(dit, x0, sig, cond, uncond, options.guidance,
                                  uncond_skip_layers=options.uncond_skip_layers,

@@ -1,6 +1,7 @@
 """What a call does only because it makes one picture: the decoder's graph made beside the DiT's steps (which
-runs get it: stages.decoder_beside, batch.made; the host thread that runs it: gpu.denoiser._Beside), and rows or
-pixels used once computed eagerly, with no graph (`once`: stages.encode and decode, batch's one prompt). That
+runs get it: stages.decoder_beside, batch.made; the host thread that runs it: gpu.denoiser._Beside), and rows,
+a first step or pixels used once computed eagerly, with no graph (`once`: stages.encode, denoise and decode;
+batch's one prompt and one picture). That
 these change no byte and write nothing the steps read is checked on a GPU (tests/gpu/test_decoder_beside_gpu.py,
 test_decoder_gpu.py, test_cuda_encoder_tiny.py)."""
 
@@ -47,16 +48,16 @@ def test_batch_made_passes_it_only_where_one_model_denoises_and_decodes(monkeypa
     denoising = _model("cuda")
     decoding = denoising if same else _model("cuda")
 
-    def denoise(model, enc, options, next_seed=None, init=None, beside=None):
-        seen["beside"] = beside
+    def denoise(model, enc, options, next_seed=None, init=None, beside=None, once=False):
+        seen["beside"], seen["once"] = beside, once
         return b"lat", None
     monkeypatch.setattr(stages, "denoise", denoise)
     monkeypatch.setattr(stages, "decode_pixels", lambda model, lat: ("pixels", "text"))
     monkeypatch.setattr(batch.artifacts, "parse", lambda *a: "parsed")
     options = types.SimpleNamespace(width=256, height=256)
-    out = batch.made({"denoise": denoising, "decode": decoding}.get, "enc", options, "fp")
+    out = batch.made({"denoise": denoising, "decode": decoding}.get, "enc", options, "fp", once=same)
     assert out == (b"lat", "pixels", "text")
-    assert (seen["beside"] is not None) == same
+    assert (seen["beside"] is not None) == same and seen["once"] == same
 
 
 def test_the_beside_thread_runs_apart_and_its_error_is_raised_where_it_is_waited_for():
@@ -96,20 +97,23 @@ def test_encode_asks_the_gpu_encoder_for_rows_used_once_only_when_told(monkeypat
     assert model.encoder.onces == expected
 
 
-@pytest.mark.parametrize("prompts,once", [(["a"], True), (["a", "b"], False)])
-def test_moss_image_encodes_once_only_with_one_prompt(monkeypatch, tmp_path, prompts, once):
-    seen = []
+@pytest.mark.parametrize("prompts,seeds,once,denoised_once", [(["a"], ["1"], True, True),
+                                                               (["a"], ["1,2"], True, False),
+                                                               (["a", "b"], ["1"], False, False)])
+def test_moss_image_encodes_and_denoises_once_only_with_one_prompt_and_one_picture(monkeypatch, tmp_path, prompts,
+                                                                                  seeds, once, denoised_once):
+    seen, denoised = [], []
     monkeypatch.setattr(batch, "encoded", lambda *a, once=False: (seen.append(once), (b"enc", "enc"))[1])
-    monkeypatch.setattr(batch, "made", lambda *a, **k: (b"lat", "pixels", "text"))
+    monkeypatch.setattr(batch, "made", lambda *a, once=False, **k: (denoised.append(once), (b"lat", "pixels", "text"))[1])
     model = types.SimpleNamespace(device="cpu", plan=None, draw_noise_ahead=lambda *a: None,
                                   checkpoint=types.SimpleNamespace(config=lambda name: {"latent_channels": 128}))
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-    pictures = batch.plan(None, str(tmp_path / "prompts.txt"), ["1"], str(tmp_path / "p-{index}.png"))
+    pictures = batch.plan(None, str(tmp_path / "prompts.txt"), seeds, str(tmp_path / "p-{index}-{seed}.png"))
     options = dataclasses.make_dataclass("Options", [("width", int, 64), ("height", int, 64), ("noise", str, "cpu"),
                                                      ("cfg", bool, True), ("seed", int, 1)])()
     list(batch._made(pictures, options, "neg", lambda stage: model, "fp", None, types.SimpleNamespace(
         picture=lambda *a: None)))
-    assert seen == [once] * len(prompts)
+    assert seen == [once] * len(prompts) and denoised == [denoised_once] * len(pictures)
 
 
 def test_an_eager_pass_no_graph_follows_lets_go_of_the_blocks_it_made_and_keeps_older_ones():

@@ -23,7 +23,7 @@ from ..sampler import skipped
 from ..schedule import keep_region, timesteps
 from ..transformer import MossTransformer, RefinedTexts, Text, check_layers, time_sinusoid
 from ..ops.cuda.table import CudaOps, numba_stream
-from .capture import attached, make_window, planned_capture
+from .capture import attached, eager_once, make_window, planned_capture
 
 
 def _owned(text):
@@ -142,12 +142,15 @@ class CudaDenoiser:
         return self._fixed[key]
 
     def sample(self, noise, sigmas, cond, uncond, guidance, skip_layers=(), skip_start=0.0, skip_stop=1.0,
-               on_step=None, arrays=False, keep=None, beside=None):
+               on_step=None, arrays=False, keep=None, beside=None, once=False):
         """Denoise noise [1, C, h, w] along sigmas [N+1] as sampler.sample does; returns float32 latents.
 
         `beside`: a function a host thread runs while the steps replay, started once every step graph of the
         trajectory is captured and waited for before this returns (its exception raised here): host work that
         runs nothing on the GPU and takes pool blocks only for graphs (the decoder's, CudaDecoder.graph_maker).
+        `once`: this process samples nothing else, so a first step whose pass kind no other step has (the full
+        negative pass before the skip window) runs eagerly on the latents, with no graph made for it (a graph's
+        making runs the same ops eagerly first); `beside` then starts after it.
 
         on_step(i, sigma, latents_in, velocity) after each step's graph has run: with `arrays` the two are
         host copies (a trace), else None (progress only). `keep`: inpainting's (image latents, latent mask,
@@ -175,29 +178,37 @@ class CudaDenoiser:
         lengths = (cond.length, uncond.length if cfg else 0)
         # each step's pass kind: the blocks its negative pass skips (none outside the window, or without CFG)
         kinds = [skipped(i, steps, skip if cfg else (), skip_start, skip_stop) for i in range(steps)]
+        eager_first = once and steps > 0 and kinds.count(kinds[0]) == 1 and self.ops.window is None
         graphs = {}
-        for kind in kinds:
+        for kind in kinds[1:] if eager_first else kinds:
             if kind not in graphs:
                 key = (ch, h, w, lengths, cfg, kind)
                 graphs[kind] = self._graph(key, (h, w), x, step, cond, uncond, kind, cfg, velocity, reads)
-        helper = _Beside(beside) if beside is not None else None
         began = time.perf_counter()
         start, stop = cuda.event(), cuda.event()
         stream = self._stream
-        queue = numba_stream(stream)
+        queue = numba_stream(stream) if stream is not None else cuda.default_stream()
         ends = [cuda.event() for _ in range(steps)]       # each step's end: its time in `timings`, and progress
+        helper, launch_s = None, 0.0
         try:
             for i in range(steps):
-                graph = graphs[kinds[i]]
                 latents_in = x.copy_to_host(stream=queue).reshape(1, ch, h, w) if arrays else None
-                step.copy_to_device(table_d[i], stream=queue)
-                if i == 0:
-                    start.record(queue)
+                if i == 0 and eager_first:       # on the default stream, waited for: the replays are not behind it
+                    start.record(cuda.default_stream())
+                    eager_once(self.ops, lambda: self._step((h, w), x, step, cond, uncond, kinds[0], cfg, velocity))
+                    cuda.synchronize()
+                    ends[0].record(queue)
+                else:
+                    if i == 0 or (i == 1 and eager_first):
+                        helper = _Beside(beside) if beside is not None else None
+                    step.copy_to_device(table_d[i], stream=queue)
+                    if i == 0:
+                        start.record(queue)
                     first = time.perf_counter()
-                graph.launch(stream)
-                ends[i].record(queue)
-                if i == 0:
-                    launch_s = time.perf_counter() - first
+                    graphs[kinds[i]].launch(stream)
+                    ends[i].record(queue)
+                    if i == int(eager_first):
+                        launch_s = time.perf_counter() - first
                 if keep is not None:
                     stepped = x.copy_to_host(stream=queue)
                     queue.synchronize()

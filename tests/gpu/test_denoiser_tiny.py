@@ -139,3 +139,18 @@ def test_a_prompt_seen_before_reuses_its_refined_text_and_gives_the_same_bytes(c
     _, _, again = _gpu_trace(component, 4, 4, dit=dit)
     assert dit.texts.misses == refined == 4 and dit.texts.hits == 2
     assert again.tobytes() == first.tobytes()
+
+
+def test_a_first_step_run_eagerly_for_a_single_trajectory_gives_the_graphs_bytes(component):
+    """sample(once=True) (moss-denoise, a moss-image of one picture): the first step, the only one with the full
+    negative pass, runs eagerly on the latents and no graph is made for it; the latents are the graphs' bytes."""
+    from moss_cli.schedule import sigmas
+    noise = np.random.default_rng(11).standard_normal((1, 128, 4, 6)).astype(np.float32)
+    out = {}
+    for once in (False, True):
+        dit = _denoiser(component)
+        cond, uncond = dit.prepare_text(_rows(7, 1)), dit.prepare_text(_rows(5, 2))
+        out[once] = (dit.sample(noise, sigmas(6, shift=3.0), cond, uncond, 3.0, (22,), 0.01, 1.0, once=once),
+                     len(dit._graphs))
+    assert out[True][0].tobytes() == out[False][0].tobytes()
+    assert (out[False][1], out[True][1]) == (2, 1)
