@@ -233,7 +233,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
-    (args.out / "decoder.json").write_text(json.dumps(record, indent=1))
+        # after each size: a run its step limit cuts keeps the sizes it finished
+        (args.out / "decoder.json").write_text(json.dumps(record, indent=1))
     return 0
 
 

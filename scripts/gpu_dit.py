@@ -235,6 +235,8 @@ def main():
                                   "device_used_delta_GB": (free0 - free1) / 1e9,
                                   "torch_peak_allocated_GB": torch.cuda.max_memory_allocated() / 1e9}
             print("memory at 1024:", out["memory_1024"], flush=True)
+        with open(args.out, "w") as fh:      # after each size: a run its step limit cuts keeps the sizes it finished
+            json.dump(out, fh, indent=1)
 
     if args.profile:
         out["profile_1024"] = profile_step(dit, cond, uncond)

@@ -128,8 +128,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         record["sizes"][f"{size}x{size}"] = row
         print(f"{size}x{size}: {json.dumps(row)}", flush=True)
-    record["seconds"] = time.perf_counter() - start
-    (args.out / "vae_encoder.json").write_text(json.dumps(record, indent=1))
+        record["seconds"] = time.perf_counter() - start     # written after each size, as far as the run got
+        (args.out / "vae_encoder.json").write_text(json.dumps(record, indent=1))
     return 0
 
 
