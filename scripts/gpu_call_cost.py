@@ -189,6 +189,9 @@ def child(report, command, args, t0):
             _profile_table(profile, os.environ["CALL_COST_PROFILE"])
         out = timers.report()
         out.update(exit_code=code, returned_s=timers.now())
+        if os.environ.get("CALL_COST_TREE"):      # whether the sources the command ran are the tree's (--tree)
+            source = Path(sys.modules["moss_cli"].__file__).resolve()
+            out["from_tree"] = source.is_relative_to(Path(os.environ["CALL_COST_TREE"]).resolve())
         if "cuda_kernels.prebuilt" in sys.modules:
             record = sys.modules["cuda_kernels.prebuilt"].RECORD
             out["prebuilt"] = {"file": record["file"], "rejected": record["rejected"], "loaded": len(record["loaded"]),
@@ -232,6 +235,7 @@ def run(command, args, cache, cold_host=False, profile=None):
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
         if TREE:
             env["PYTHONPATH"] = os.pathsep.join([str(Path(TREE).resolve()), env.get("PYTHONPATH", "")])
+            env["CALL_COST_TREE"] = str(TREE)
         env["XDG_CACHE_HOME"] = str(cache)
         if cold_host:
             env["NUMBA_CACHE_DIR"] = str(Path(cache) / "numba")
