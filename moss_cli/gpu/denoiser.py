@@ -230,8 +230,10 @@ class CudaDenoiser:
             queued = time.perf_counter()
             out = x.copy_to_host(stream=queue).reshape(1, ch, h, w)
             queue.synchronize()
-        except BaseException:
-            if helper is not None:       # its pool takes end before anything else of this process takes more
+        except Exception:
+            # its pool takes end before anything else of this process takes more (an interrupt ends the process:
+            # it does not wait for the thread)
+            if helper is not None:
                 helper.thread.join()
             raise
         if on_step is not None and not arrays and steps:
