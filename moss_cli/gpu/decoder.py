@@ -153,13 +153,13 @@ class CudaDecoder:
         decode of this process (moss-decode), run eagerly where no graph of its size exists, since the graph's
         making runs the same ops eagerly first (equal bytes: tests/gpu/test_decoder_gpu.py)."""
         lat = self._check(latents)
+        size = lat.shape[1:]
         eager = lambda: self.ops.host(self._run(cuda.to_device(np.ascontiguousarray(lat))))    # noqa: E731
         if not self.graphs:
             with attached():
                 return eager()
-        if once and lat.shape[1:] not in self._captured:
+        if once and size not in self._captured:
             return eager_once(self.ops, eager)
-        size = lat.shape[1:]
         if size not in self._captured:
             self._captured[size] = capture_sized(self.ops, self._run, lat.shape)
         return self._captured[size].replay(lat)
