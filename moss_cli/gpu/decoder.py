@@ -107,7 +107,7 @@ class CudaDecoder:
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
         self._captured = {}
-        self.made_beside = 0      # graphs made by graph_maker's function (beside the DiT's steps): the GPU tests read it
+        self.made_beside = 0      # graphs made by graph_maker's function beside the DiT's steps (the GPU tests read it)
         self.beside_error = None  # why the last of those failed (the decode then makes its graph itself)
         if split_ahead:
             self.ops.split_ahead(tensors)
