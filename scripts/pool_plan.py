@@ -224,8 +224,8 @@ def picture(sizes, steps=50):
     rows.append({"stage": "each plan", "plans": pool.plans})     # gpu_picture.py records the device's alike
     for i, p in enumerate(pool.plans):
         print(f"plan {i}: {p['takes']} takes asking {p['asked_bytes'] / 1e9:.2f} GB, {p['held_takes']} still lent "
-              f"after the eager pass ({p['held_bytes'] / 1e9:.3f} GB), {p['made_bytes'] / 1e9:.2f} GB of blocks made",
-              flush=True)
+              f"after the eager pass ({p['held_bytes'] / 1e9:.3f} GB), {p['made_bytes'] / 1e9:.2f} GB of blocks added: "
+              f"{p['kept_blocks']} of the eager pass's kept, {p['new_blocks']} allocated", flush=True)
     return rows
 
 

@@ -161,9 +161,10 @@ def test_in_the_simulator_a_block_comes_back_only_when_its_last_view_dies():
 
 
 def test_a_planned_replay_packs_what_best_fit_stranded():
-    """Two 10 MB arrays alive together, then one of 20 MB: best fit makes 40 MB of blocks. The plan lets those
-    go, puts the 20 MB take in a new 20 MB block, the first 10 MB take there too (their lives do not overlap),
-    the second in a new 10 MB block: 30 MB, and the scripted replay is lent exactly those."""
+    """Two 10 MB arrays alive together, then one of 20 MB: best fit makes 40 MB of blocks. The plan puts the
+    20 MB take in a 20 MB block, the first 10 MB take there too (their lives do not overlap), the second in a
+    10 MB block: 30 MB, the recording's own blocks of those sizes (the older 10 MB one), the other let go; the
+    scripted replay is lent exactly those, and nothing was allocated for the plan."""
     pool, made = counting_pool()
 
     def run():
@@ -177,17 +178,18 @@ def test_a_planned_replay_packs_what_best_fit_stranded():
     pool.record()
     assert run() == ["block0", "block1", "block2"] and pool.bytes == 40 * MB
     planned = pool.plan()
-    assert [b.base for b in planned] == ["block3", "block4", "block3"]
-    assert pool.bytes == 30 * MB
+    assert [b.base for b in planned] == ["block2", "block0", "block2"]
+    assert pool.bytes == 30 * MB and sorted(n for n, _, _ in pool._free) == [10 * MB, 20 * MB]
     pool.script(planned)
-    assert run() == ["block3", "block4", "block3"]
+    assert run() == ["block2", "block0", "block2"]
     pool.script(None)
-    assert pool.misses == 0 and made == [10 * MB, 10 * MB, 20 * MB, 20 * MB, 10 * MB]
+    assert pool.misses == 0 and made == [10 * MB, 10 * MB, 20 * MB]
+    assert pool.plans[-1]["kept_blocks"] == 2 and pool.plans[-1]["new_blocks"] == 0
 
 
 def test_blocks_made_before_the_recording_are_filled_first_and_never_let_go():
     """Blocks made before the recording take planned takes first; one the plan leaves empty stays (an earlier
-    graph still addresses it); a block made while recording goes, a new one of the size the plan needs comes."""
+    graph still addresses it); a block made while recording is kept where the plan needs one of its size."""
     pool, _ = counting_pool()
     old_big, old_small = pool.take(64 * MB), pool.take(5 * MB)
     pool.give(old_big)
@@ -198,18 +200,38 @@ def test_blocks_made_before_the_recording_are_filled_first_and_never_let_go():
     pool.give(hold)
     pool.give(a)
     planned = pool.plan()
-    # largest first: hold into the old 64 MB block; a overlaps it and the old 5 MB block is too small: block3
-    assert [b.base for b in planned] == ["block0", "block3"]
+    # largest first: hold into the old 64 MB block; a overlaps it and the old 5 MB block is too small: a's own
+    assert [b.base for b in planned] == ["block0", "block2"]
     assert pool.bytes == (64 + 5 + 16) * MB
     pool.script(planned)
     x, y = pool.take(64 * MB), pool.take(16 * MB)
-    assert (x.base, y.base) == ("block0", "block3")
+    assert (x.base, y.base) == ("block0", "block2")
     pool.give(x)
     pool.give(y)
     pool.record()                                     # a later graph's recording: every block is old now
     pool.give(pool.take(64 * MB))
     pool.give(pool.take(16 * MB))
-    assert [b.base for b in pool.plan()] == ["block0", "block3"] and pool.bytes == (64 + 5 + 16) * MB
+    assert [b.base for b in pool.plan()] == ["block0", "block2"] and pool.bytes == (64 + 5 + 16) * MB
+
+
+def test_the_plan_keeps_only_recorded_blocks_of_the_exact_size_it_needs():
+    """x (12 MB) comes back, y (8 MB) is lent x's block, z (12 MB) is made while y lives: the recording made two
+    12 MB blocks. The plan puts x and z in one 12 MB block (their lives do not overlap) and needs an 8 MB one
+    for y: it keeps the first 12 MB block and allocates 8 MB rather than keeping the other 12 MB one (4 MB
+    the plan never asks for), which is let go."""
+    pool, made = counting_pool()
+    pool.record()
+    x = pool.take(12 * MB)
+    pool.give(x)
+    y = pool.take(8 * MB)                   # best fit: x's block
+    z = pool.take(12 * MB)
+    pool.give(y)
+    pool.give(z)
+    planned = pool.plan()
+    assert [b.base for b in planned] == ["block0", "block2", "block0"]
+    assert made == [12 * MB, 12 * MB, 8 * MB] and pool.bytes == 20 * MB
+    assert sorted(n for n, _, _ in pool._free) == [8 * MB, 12 * MB]
+    assert pool.plans[-1]["kept_blocks"] == 1 and pool.plans[-1]["new_blocks"] == 1
 
 
 def test_a_planned_block_that_is_lent_falls_back_to_best_fit():
@@ -295,8 +317,9 @@ def test_each_plan_records_its_takes_the_ones_still_lent_and_the_blocks_it_made(
     c = pool.take(2 * MB)
     pool.give(c)
     pool.plan()
+    # a (8 MB) keeps its own block, which c shares; b, still lent, overlaps both: a new 4 MB block
     assert pool.plans == [{"takes": 3, "asked_bytes": 14 * MB, "held_takes": 1, "held_bytes": 4 * MB,
-                           "made_bytes": 8 * MB + 4 * MB}]
+                           "made_bytes": 8 * MB + 4 * MB, "kept_blocks": 1, "new_blocks": 1}]
     pool.give(b)
 
 

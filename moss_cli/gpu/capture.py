@@ -38,8 +38,9 @@ def planned_capture(ops, eager, run):
     """capture(ops, run) after a first pass of the same ops that the pool records (memory.pool): eager(), the
     ops run once on the GPU (compiling the kernels, planning the products), or with `eager` None, run() captured
     into a graph that is thrown away, so that nothing runs on the GPU and the whole of it is host work another
-    thread may do while the GPU runs other graphs (no streamed window then). The pool lets go of the blocks the
-    first pass made and lends the capture's requests the blocks it planned for them."""
+    thread may do while the GPU runs other graphs (no streamed window then). The pool lends the capture's
+    requests the blocks it planned for them, keeping those the first pass made that the plan needs as they are
+    and letting go of the rest."""
     with attached():
         return _planned_capture(ops, eager, run)
 

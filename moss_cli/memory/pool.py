@@ -12,11 +12,12 @@ because the components' work never overlaps: every stage (an encode, a trajector
 stream before it returns, and the next stage's first use of a block is queued after that.
 
 A graph's blocks are planned (`record`, `plan`, `script`): the eager pass before a capture asks for what the
-capture will ask, in the same order, so its requests and lifetimes are recorded, the blocks it made are let
-go, and the capture is lent blocks packed by size (largest first, each into the smallest block free over
-its whole life, blocks made before first). Best fit alone strands the small blocks an image's first stages
-made when its later stages need larger ones (scripts/pool_plan.py works both out at the real sizes;
-BENCHMARKS.md quotes them). A block a captured graph used is never freed: the graph keeps its address.
+capture will ask, in the same order, so its requests and lifetimes are recorded, and the capture is lent blocks
+packed by size (largest first, each into the smallest block free over its whole life, blocks made before
+first). Where the packing needs a block of a size the eager pass made one of, that block is kept for it; the
+eager pass's other blocks are let go. Best fit alone strands the small blocks an image's first stages made
+when its later stages need larger ones (scripts/pool_plan.py works both out at the real sizes; BENCHMARKS.md
+quotes them). A block a captured graph used is never freed: the graph keeps its address.
 """
 
 import bisect
@@ -52,7 +53,8 @@ class Pool:
         self._recorded_from = 0
         self._script = None    # while scripted: the planned block of each take, in order
         self.misses = 0        # scripted takes that found their planned block lent or too small (best fit then)
-        self.plans = []        # per plan(): its takes, the bytes they ask, those still lent when it ran, blocks made
+        self.plans = []        # per plan(): its takes, the bytes they ask, those still lent when it ran, the
+                               # bytes its blocks add, and how many it kept of the recording's and made anew
         self.collector_gives = None   # after watch_collector(): blocks given back while the cyclic collector ran
         self._collecting = False
         # one thread at a time lends, takes back and plans: a graph made on a host thread beside the DiT's steps
@@ -138,16 +140,20 @@ class Pool:
         self._recorded_from = self.blocks
 
     def plan(self):
-        """End the recording and plan its takes again. The blocks made while recording that are free now are let
-        go; the largest take is placed first, each into the smallest free block that no take placed there
-        overlaps in time, else into a new block of its size (so a block's size is that of its largest take).
-        Returns the planned block of each take, in take order."""
+        """End the recording and plan its takes again: the largest take is placed first, each into the smallest
+        free block that no take placed there overlaps in time, else into a block of its size (so a block's size
+        is that of its largest take): one the recording made and left free, of exactly that size, where there
+        is one (no allocation), else a new one. The recording's other free blocks are let go. Returns the
+        planned block of each take, in take order."""
         with self._lock:
             return self._plan()
 
     def _plan(self):
         trace, self._trace = self._trace or [], None
-        self._let_go_recorded()
+        recorded = [entry for entry in self._free if entry[1] >= self._recorded_from]   # sorted, as _free is
+        for _, _, block in recorded:
+            self._unfree(block)
+        before = self.bytes - sum(n for n, _, _ in recorded)
         start, end, size = {}, {}, {}
         for t, event in enumerate(trace):
             if len(event) == 2:
@@ -155,23 +161,30 @@ class Pool:
             else:
                 end[event[0]] = t
         candidates = list(self._free)               # (nbytes, order, block), sorted
-        before = self.bytes
         lives = {order: [] for _, order, _ in candidates}
-        out = {}
+        out, kept, made = {}, 0, 0
         for take in sorted(start, key=lambda k: (-size[k], start[k])):
             life = (start[take], end.get(take, _NEVER))
             block = next((c[2] for c in candidates if c[0] >= size[take]
                           and all(life[1] <= a or b <= life[0] for a, b in lives[c[1]])), None)
             if block is None:
-                block = self._make(size[take])
+                i = bisect.bisect_left(recorded, (size[take], -1))      # the oldest of that exact size
+                if i < len(recorded) and recorded[i][0] == size[take]:
+                    block = recorded.pop(i)[2]
+                    kept += 1
+                else:
+                    block = self._make(size[take])
+                    made += 1
                 bisect.insort(candidates, (block.nbytes, block.order, block))
                 lives[block.order] = []
-                self.give(block)
+                self._give(block)
             lives[block.order].append(life)
             out[take] = block
+        self.bytes -= sum(n for n, _, _ in recorded)                  # the recording's blocks no take needs
         held = [t for t in start if t not in end]
         self.plans.append({"takes": len(start), "asked_bytes": sum(size.values()), "held_takes": len(held),
-                           "held_bytes": sum(size[t] for t in held), "made_bytes": self.bytes - before})
+                           "held_bytes": sum(size[t] for t in held), "made_bytes": self.bytes - before,
+                           "kept_blocks": kept, "new_blocks": made})
         return [out[k] for k in sorted(out)]
 
     def forget(self):
