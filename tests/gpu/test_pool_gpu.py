@@ -1,8 +1,9 @@
 """On a GPU: the shared pool over the tiny checkpoint's whole picture at two sizes, as moss-image runs it.
 
 Every capture (the encoder's buckets, the DiT's step graphs, the decoder's) is lent the blocks planned from
-its eager pass, take for take (no miss); the second size's graphs fit in the blocks the first left; the
-pictures equal, byte for byte, those of a process whose graphs were captured in the other order.
+its eager pass, take for take (no miss), some of them blocks the eager pass made; the second size's graphs fit
+in the blocks the first left; the pictures equal, byte for byte, those of a process whose graphs were captured
+in the other order.
 """
 
 import pytest
@@ -36,6 +37,7 @@ print("misses", shared_pool().misses, "pool", *after)
 
 
 def _run(*sizes):
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -44,12 +46,13 @@ def _run(*sizes):
     assert done.returncode == 0, done.stderr[-3000:]
     *pngs, plans, collector, last = done.stdout.split("\n")[:-1]
     words = last.split()
-    return pngs, int(words[1]), [int(w) for w in words[3:]], f"{collector}; {plans}"
+    return pngs, int(words[1]), [int(w) for w in words[3:]], f"{collector}; {plans}", json.loads(plans[6:])
 
 
 def test_captures_follow_their_plans_and_sizes_share_blocks():
-    pngs, misses, pool, why = _run(128, 64)
+    pngs, misses, pool, why, plans = _run(128, 64)
     assert misses == 0
+    assert sum(p["kept_blocks"] for p in plans) > 0, why      # plans keep the eager passes' blocks they need
     assert pool[1] <= pool[0] * 1.01, (pool, why)     # the 64x64 graphs in the 128x128 graphs' blocks
-    other, _, _, _ = _run(64, 128)               # the other capture order: other blocks, the same bytes
+    other, _, _, _, _ = _run(64, 128)               # the other capture order: other blocks, the same bytes
     assert other == pngs[::-1]
