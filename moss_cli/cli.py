@@ -69,12 +69,28 @@ def _gpu_memory_now():
 
 def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None, lora=()):
     """The stage's Model on its device, with its GPU memory plan and the --lora adapters; `size` (width, height),
-    or a function of the checkpoint giving it (the decoder's comes from its LAT)."""
-    chosen = resolve(device, stage)
+    or a function of the checkpoint giving it (the decoder's comes from its LAT). On a GPU the driver opens and
+    the plan is made first, and the encoder's or the transformer's weights start for the GPU then, while the
+    kernel library is imported (stages.preload_gpu_weights, as moss-image does)."""
+    if device not in DEVICES:
+        resolve(device, stage)                  # its error, before anything is read
     checkpoint = _checkpoint(model_dir, lora)
     if callable(size):
         size = size(checkpoint)
-    plan = _memory_plan(checkpoint, chosen, (stage,), gpu_memory, size, show_plan, progress)
+    plan = None
+    if not show_plan:
+        def planner(memory):
+            made = stages.memory_plan(checkpoint, (stage,), gpu_memory, size, memory)
+            progress.note(made.line())
+            return made
+        _, plan = stages.preload_gpu_weights(checkpoint, device, [s for s in (stage,) if s in stages.GPU_COMPONENTS],
+                                             planner=planner)
+    chosen = resolve(device, stage)
+    if chosen != "cuda" and plan is not None:       # auto chose the CPU after all
+        from .memory.preload import discard
+        discard()
+    if plan is None or chosen != "cuda":
+        plan = _memory_plan(checkpoint, chosen, (stage,), gpu_memory, size, show_plan, progress)
     if stage == "denoise":
         _warn_cpu_dit(checkpoint, device, chosen, progress)
     _note_model(progress, checkpoint, chosen)

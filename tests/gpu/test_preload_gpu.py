@@ -1,9 +1,9 @@
-"""moss-image's preload on a GPU (stages.preload_gpu_weights: the CUDA driver through ctypes and the upload lanes,
+"""The preload on a GPU (stages.preload_gpu_weights: the CUDA driver through ctypes and the upload lanes,
 before the kernel library is used): the encoder's and the transformer's op tables take every weight it handed
 over (nothing is left, nothing is sent twice), and each equals, bit for bit, the same weight sent late by a
 fresh op table; numba reads the driver's buffers in the same context. Control: one byte changed in a preloaded
-weight is caught by the same comparison. (tests/gpu/test_cli_gpu.py holds moss-image, preloaded, to the chained
-commands, which load late, byte for byte.)"""
+weight is caught by the same comparison. (tests/gpu/test_cli_gpu.py holds moss-image to the chained commands,
+byte for byte; scripts/gpu_same_artifacts.py holds each command to an earlier tree's.)"""
 
 import numpy as np
 import pytest
