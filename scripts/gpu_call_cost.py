@@ -280,7 +280,8 @@ def main():
     ap.add_argument("--cold-host", action="store_true", help="first processes without numba's host cache either")
     ap.add_argument("--profile", action="store_true",
                     help="one more warm moss-image at the largest size, its main thread under cProfile "
-                         "(OUT's stem + _profile.txt; its timings are not in the medians)")
+                         "(OUT's stem + _profile.txt; its timings are not in the medians), and a chained moss-decode "
+                         "(_profile_decode.txt)")
     ap.add_argument("--tree", default=None,
                     help="run the moss_cli and cuda_kernels of this folder (e.g. `git archive REV moss_cli cuda_kernels "
                          "| tar x -C before`: an earlier revision measured in the same call)")
@@ -324,6 +325,11 @@ def main():
         r = run("image", image, folder, profile=table)
         out["profiled"] = dict(r, size=size, cache="warm", table=table.name)
         print(summary_line(f"moss-image {size}x{size}, warm, under cProfile ({table.name})", r), flush=True)
+        if not args.no_chain:            # the chained decode: its eager pass is host time
+            table = Path(args.out).with_name(Path(args.out).stem + "_profile_decode.txt")
+            r = run("decode", chain[2][1] + ["--device", args.device, "--quiet"], folder, profile=table)
+            out["profiled_decode"] = dict(r, size=size, cache="warm", table=table.name)
+            print(summary_line(f"moss-decode {size}x{size}, warm, under cProfile ({table.name})", r), flush=True)
     out["medians"] = medians(out["runs"])
     Path(args.out).write_text(json.dumps(out, indent=1))
     shutil.rmtree(work, ignore_errors=True)
