@@ -248,7 +248,7 @@ def main():
         saved = {key: getattr(enc.model if key == "form" else ops, key) for key in settings}
         for key, value in settings.items():
             setattr(enc.model if key == "form" else ops, key, value)
-        enc._captured = {}
+        enc._captured.clear()
         try:
             for n, ids in prompts.items():
                 speed[n][f"ours_{label}_ms"] = replay_ms(enc, ids)
@@ -257,7 +257,7 @@ def main():
             result.setdefault("variant_errors", {})[label] = repr(exc)
         for key, value in saved.items():
             setattr(enc.model if key == "form" else ops, key, value)
-        enc._captured = {}
+        enc._captured.clear()
     for label, settings in ({} if args.quick else VARIANTS).items():
         if all(key == "form" or hasattr(ops, key) for key in settings):
             variant(settings, label)
@@ -273,10 +273,12 @@ def main():
     with open(os.path.join(os.path.dirname(os.path.abspath(args.out)), "gemm_picks.json"), "w") as f:
         json.dump({gemm._blas.library_key(): gemm._blas.tuned_picks()}, f, indent=1)
     if result["gemm_stored_plans"] and not args.quick:   # the default ran stored picks: the heuristic's choice too
-        gemm._blas, enc._captured = gemm.Blas(picks={}), {}
+        gemm._blas = gemm.Blas(picks={})
+        enc._captured.clear()
         for n, ids in prompts.items():
             speed[n]["ours_heuristic_gemm_ms"] = replay_ms(enc, ids)
-    gemm._blas, enc._captured = default, {}
+    gemm._blas = default
+    enc._captured.clear()
     free1, _ = cuda.current_context().get_memory_info()
     result["ours_peak_GiB"] = (free0 - free1) / 2 ** 30
     print("ours:", json.dumps(speed), flush=True)
@@ -288,7 +290,8 @@ def main():
         print(f"GPU time per kernel, {n} tokens:\n" + "\n".join(result[f"profile_{n}"]), flush=True)
     # the CUPTI profile of the other GDN inputs form too: which kernels a whole-encode difference comes from
     fused = ops.fuse_gdn_inputs
-    ops.fuse_gdn_inputs, enc._captured = not fused, {}
+    ops.fuse_gdn_inputs = not fused
+    enc._captured.clear()
     for n, ids in ({} if args.quick else prompts).items():
         try:
             result[f"profile_other_gdn_inputs_{n}"] = profile(enc, ids)
@@ -296,7 +299,8 @@ def main():
             result[f"profile_other_gdn_inputs_{n}"] = [f"profiler failed: {exc}"]
         print(f"GPU time per kernel, {n} tokens, other GDN inputs form:\n"
               + "\n".join(result[f"profile_other_gdn_inputs_{n}"]), flush=True)
-    ops.fuse_gdn_inputs, enc._captured = fused, {}
+    ops.fuse_gdn_inputs = fused
+    enc._captured.clear()
     enc = ops = None                  # free our buffers before transformers loads
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("profile")}), flush=True)
 

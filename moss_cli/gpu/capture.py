@@ -1,6 +1,7 @@
 """CUDA graph capture over an op table (the pool planned by a first pass: eager, or a capture thrown away), the
-streamed layers' window and the release of a runner's device memory."""
+graphs a runner keeps, the streamed layers' window and the release of a runner's device memory."""
 
+import collections
 import contextlib
 
 from numba import cuda
@@ -101,6 +102,55 @@ def capture(ops, run, uses=None, instantiate=True):
         ops.kept = []
         return None
     return builder.complete(), stream, out
+
+
+class Graphs:
+    """A runner's captured graphs by key (a picture size, a prompt-length bucket), the `limit` used last kept: a
+    server meets many sizes and prompt lengths, and each graph holds memory of its own (its input and output
+    buffers, their pinned twins, the driver's copy of its nodes) that no memory plan counts past a few graphs. A
+    graph let go is idle: each stage waits for its stream before it returns. Its pool blocks stay in the pool,
+    lent again to the next graph's plan."""
+
+    def __init__(self, limit):
+        if limit < 1:
+            raise ValueError(f"keep at least one graph, not {limit}")
+        self.limit = limit
+        self.made = 0                    # graphs put so far
+        self._kept = collections.OrderedDict()
+
+    def __contains__(self, key):
+        return key in self._kept
+
+    def __len__(self):
+        return len(self._kept)
+
+    def __getitem__(self, key):
+        """The graph of `key` (a script's timing of it; its recency unchanged)."""
+        return self._kept[key]
+
+    def keys(self):
+        """The keys kept, the least recently used first."""
+        return list(self._kept)
+
+    def get(self, key, make):
+        """The graph of `key`, now the last used; make() makes it where none is kept (first use, or let go)."""
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        return self.put(key, make())
+
+    def clear(self):
+        """Let go of every graph (a script's variants: the next use captures again)."""
+        self._kept.clear()
+
+    def put(self, key, graph):
+        """Keep `graph` for `key` as the last used, letting go of the least recently used past the limit."""
+        self._kept[key] = graph
+        self._kept.move_to_end(key)
+        self.made += 1
+        while len(self._kept) > self.limit:
+            self._kept.popitem(last=False)
+        return graph
 
 
 def make_window(tensors, names, layers):

@@ -16,7 +16,7 @@ from cuda_kernels.core import SIMULATED, from_bf16_bits
 from ..vae import Decoder, _config
 from ..ops.cuda.conv import split_weight_bits
 from ..ops.cuda.table import CudaOps, _is_bf16, numba_stream
-from .capture import attached, eager_once, planned_capture
+from .capture import Graphs, attached, eager_once, planned_capture
 
 
 def _float32(tensors, name):
@@ -99,14 +99,16 @@ class CudaDecoder:
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
     boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way). The
     products' split weights are made on a host thread from here on (DecoderOps.split_ahead; `split_ahead=False`:
-    each when the first decode asks for it)."""
+    each when the first decode asks for it). The graphs of the KEEP_GRAPHS sizes decoded last are kept."""
+
+    KEEP_GRAPHS = 4
 
     def __init__(self, tensors, config, graphs=True, split_ahead=True):
         self.ops = DecoderOps()
         self.decoder = Decoder(self.ops, tensors, config)
         self.c = _config(config)
         self.graphs = graphs and not SIMULATED
-        self._captured = {}
+        self._captured = Graphs(self.KEEP_GRAPHS)
         self.made_beside = 0      # graphs made by graph_maker's function beside the DiT's steps (the GPU tests read it)
         self.beside_error = None  # why the last of those failed (the decode then makes its graph itself)
         if split_ahead:
@@ -127,7 +129,7 @@ class CudaDecoder:
             if size in self._captured:
                 return
             try:
-                self._captured[size] = capture_sized(self.ops, self._run, lat_shape, dry=True)
+                self._captured.put(size, capture_sized(self.ops, self._run, lat_shape, dry=True))
                 self.made_beside += 1
             except Exception as e:      # not the picture's failure: decode() makes the graph its own way
                 self.beside_error = e
@@ -160,9 +162,7 @@ class CudaDecoder:
                 return eager()
         if once and size not in self._captured:
             return eager_once(self.ops, eager)
-        if size not in self._captured:
-            self._captured[size] = capture_sized(self.ops, self._run, lat.shape)
-        return self._captured[size].replay(lat)
+        return self._captured.get(size, lambda: capture_sized(self.ops, self._run, lat.shape)).replay(lat)
 
 
 def capture_sized(ops, run, shape, dry=False):

@@ -7,7 +7,7 @@ from numba import cuda
 
 from ..encoder import Qwen35Encoder, check_ids, text_config
 from ..ops.cuda.table import CudaOps, numba_stream, table_rows
-from .capture import attached, eager_once, make_window, planned_capture
+from .capture import Graphs, attached, eager_once, make_window, planned_capture
 
 # Prompt lengths are padded up to a bucket (right padding leaves causal rows unchanged): a multiple of
 # 4 tokens up to 256 (short prompts are bound by their weights' bytes, and every padded token costs the
@@ -27,8 +27,11 @@ class CudaEncoder:
 
     Weights go to the device once (`upload`), straight from the (memory-mapped) tensors, one at a time, but
     the token embedding table, which stays on the host: each encode gathers its prompt's rows there.
-    `graphs=False` runs the ops eagerly (one launch per op), for per-layer checks.
+    `graphs=False` runs the ops eagerly (one launch per op), for per-layer checks. The graphs of the KEEP_GRAPHS
+    buckets used last are kept (a server meets many prompt lengths; each graph keeps its rows' buffers).
     """
+
+    KEEP_GRAPHS = 16
 
     def __init__(self, tensors, config, graphs=True, pad_id=0):
         self.ops = CudaOps()
@@ -37,7 +40,7 @@ class CudaEncoder:
         self.tensors = tensors
         self.graphs = graphs
         self.pad_id = pad_id
-        self._captured = {}
+        self._captured = Graphs(self.KEEP_GRAPHS)
         self.timings = {}
 
     def upload(self):
@@ -75,9 +78,7 @@ class CudaEncoder:
             out[:] = eager_once(self.ops, lambda: self.model(padded))[:n]
             self.timings = {"bucket": size, "eager": True}
             return out
-        if size not in self._captured:
-            self._capture(size)
-        c = self._captured[size]
+        c = self._captured.get(size, lambda: self._capture(size))
         start = time.perf_counter()
         table = self.tensors["embed_tokens.weight"]      # the prompt's rows: the graph's first node copies them
         table_rows(table, ids, out=c.rows[:n])
@@ -111,17 +112,18 @@ class CudaEncoder:
             graph, stream, out = planned_capture(self.ops, lambda: self.model(dummy), run)
         finally:
             self.ops.rows_host = None
-        self._captured[size] = _Bucket(graph, stream, out, rows)
-        self._kept = getattr(self, "_kept", []) + self.ops.kept
+        return _Bucket(graph, stream, out, rows, self.ops.kept)
 
 
 class _Bucket:
     """A captured length bucket: its graph and stream, the rows buffer it writes, the pinned bf16 table rows
-    [bucket, hidden] its first node reads, and what each encode reuses: the stream as numba sees it, three
-    events (an upload through numba cost host time before the graph could start)."""
+    [bucket, hidden] its first node reads, the host uploads its capture made (which it reads), and what each
+    encode reuses: the stream as numba sees it, three events (an upload through numba cost host time before the
+    graph could start)."""
 
-    def __init__(self, graph, stream, rows_buffer, rows):
+    def __init__(self, graph, stream, rows_buffer, rows, kept=()):
         self.graph, self.stream, self.rows_buffer, self.rows = graph, stream, rows_buffer, rows
+        self.kept = list(kept)
         self.queue = numba_stream(stream)
         self.began, self.ran, self.copied = cuda.event(), cuda.event(), cuda.event()
 

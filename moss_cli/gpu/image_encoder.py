@@ -13,6 +13,7 @@ from numba import cuda
 from cuda_kernels.core import SIMULATED
 
 from ..vae import Encoder
+from .capture import Graphs
 from .decoder import DecoderOps, capture_sized
 
 
@@ -26,7 +27,9 @@ class CudaImageEncoder:
     """CudaImageEncoder(tensors, config)(image float32 [3, H, W]) -> latents float32 [1, 128, H/16, W/16], within
     float32 roundings of vae.Encoder(numpy_ops(), tensors, config)(image). Weights go to the device once;
     `graphs=False` runs the ops eagerly (the simulator's way); the split weights are made on a host thread from
-    here on (`split_ahead`)."""
+    here on (`split_ahead`). The graphs of the KEEP_GRAPHS picture sizes encoded last are kept."""
+
+    KEEP_GRAPHS = 4
 
     def __init__(self, tensors, config, graphs=True, split_ahead=True):
         self.ops = EncoderOps()
@@ -34,7 +37,7 @@ class CudaImageEncoder:
         if tuple(self.encoder.c["patch"]) != (2, 2):
             raise ValueError(f"the GPU encoder packs 2x2 patches, not {self.encoder.c['patch']}")
         self.graphs = graphs and not SIMULATED
-        self._captured = {}
+        self._captured = Graphs(self.KEEP_GRAPHS)
         if split_ahead:
             self.ops.split_ahead(tensors)
 
@@ -47,6 +50,5 @@ class CudaImageEncoder:
         image = np.ascontiguousarray(self.encoder.check(image), dtype=np.float32)
         if not self.graphs:
             return self.ops.host(self._run(cuda.to_device(image)))[None]
-        if image.shape not in self._captured:
-            self._captured[image.shape] = capture_sized(self.ops, self._run, image.shape)
-        return self._captured[image.shape].replay(image)[None]
+        made = self._captured.get(image.shape, lambda: capture_sized(self.ops, self._run, image.shape))
+        return made.replay(image)[None]

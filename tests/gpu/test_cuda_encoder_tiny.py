@@ -92,6 +92,10 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_pass(component):
     # rows used once (moss-encode): eager at the bucket's length (38 ids padded to 40), no graph, the graph's bytes
     once = CudaEncoder(component.tensors, component.config)
     assert once(other, once=True).tobytes() == enc(other).tobytes() and not once._captured
+    # one bucket kept: another bucket's graph lets the 40's go, which is captured again with the same bytes
+    enc._captured.limit = 1
+    enc(ids[:7])
+    assert 40 not in enc._captured and enc(ids).tobytes() == first.tobytes() and enc._captured.keys() == [40]
 
 
 def test_moss_encode_on_the_gpu_writes_the_same_bytes_in_two_processes(tmp_path):

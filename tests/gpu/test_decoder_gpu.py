@@ -56,6 +56,11 @@ def test_graph_replays_are_byte_identical_and_equal_the_eager_ops(component, dec
     assert eager.tobytes() == first.tobytes()
     once = CudaDecoder(component.tensors, component.config)      # moss-decode's one decode: eager, no graph
     assert once.decode(latents, once=True).tobytes() == first.tobytes() and not once._captured
+    # one size kept: another size's graph lets this one go; captured again, the same bytes
+    decoder._captured.limit = 1
+    decoder.decode(latents[:, :, :2, :2])
+    assert (4, 6) not in decoder._captured and decoder.decode(latents).tobytes() == first.tobytes()
+    decoder._captured.limit = CudaDecoder.KEEP_GRAPHS
 
 
 def _raw_error(decoder, latents, ref):
