@@ -6,6 +6,7 @@ de-normalisation and unpatchify, the decoder and the pixels' rounding are one CU
 DecoderOps and Captured serve the VAE's encoder too (gpu/image_encoder.py).
 """
 
+import os
 import time
 
 import numpy as np
@@ -36,7 +37,7 @@ def weight_form(name, shape):
 class DecoderOps(CudaOps):
     """The CUDA table with every matrix float32 on the device and linear / attention as split products. The
     products' split weights (conv.tap_weights, conv.weight_matrix) are made on the host from the checkpoint's
-    tensors, on a host thread from `split_ahead` on, not from the device weights copied back. `prefixes`:
+    tensors, on host threads from `split_ahead` on, not from the device weights copied back. `prefixes`:
     the tensors the graph reads (the decoder's; the VAE encoder's ops name theirs)."""
 
     prefixes = ("decoder.", "post_quant_conv.")
@@ -56,13 +57,17 @@ class DecoderOps(CudaOps):
             self._sources[id(out)] = (tensors, name)
         return out
 
+    SPLIT_THREADS = 4
+
     def split_ahead(self, tensors):
         """Split every conv and projection weight the graph reads (4-D and 2-D under `prefixes`, as weight_form
-        says) on a host thread, in the tensors' order, so the first run finds them made (its eager pass waits
-        only for one not yet done)."""
+        says) on SPLIT_THREADS host threads, taken in the tensors' order, so the first run finds them made (its
+        eager pass waits only for one not yet done). numpy lets go of the GIL inside each step of a split: at
+        the real decoder's widths four threads take about a third of one's time (moss-decode waits for them)."""
         from concurrent.futures import ThreadPoolExecutor
         shapes = {n: np.shape(tensors[n]) for n in tensors if n.startswith(self.prefixes) and n.endswith(".weight")}
-        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vae-split")
+        worker = ThreadPoolExecutor(max_workers=max(1, min(self.SPLIT_THREADS, os.cpu_count() or 1)),
+                                    thread_name_prefix="vae-split")
         for name, shape in shapes.items():
             if len(shape) in (2, 4):
                 form = weight_form(name, shape)
@@ -98,7 +103,7 @@ class CudaDecoder:
     """CudaDecoder(tensors, config).decode(latents float32 [1, 128, h, w]) -> uint8 [16h, 16w, 3], equal to
     vae.to_pixels(Decoder(numpy_ops(), tensors, config)(latents)) but for pixels off by one at rounding
     boundaries. Weights go to the device once; `graphs=False` runs the ops eagerly (the simulator's way). The
-    products' split weights are made on a host thread from here on (DecoderOps.split_ahead; `split_ahead=False`:
+    products' split weights are made on host threads from here on (DecoderOps.split_ahead; `split_ahead=False`:
     each when the first decode asks for it). The graphs of the KEEP_GRAPHS sizes decoded last are kept."""
 
     KEEP_GRAPHS = 4

@@ -26,7 +26,7 @@ class EncoderOps(DecoderOps):
 class CudaImageEncoder:
     """CudaImageEncoder(tensors, config)(image float32 [3, H, W]) -> latents float32 [1, 128, H/16, W/16], within
     float32 roundings of vae.Encoder(numpy_ops(), tensors, config)(image). Weights go to the device once;
-    `graphs=False` runs the ops eagerly (the simulator's way); the split weights are made on a host thread from
+    `graphs=False` runs the ops eagerly (the simulator's way); the split weights are made on host threads from
     here on (`split_ahead`). The graphs of the KEEP_GRAPHS picture sizes encoded last are kept."""
 
     KEEP_GRAPHS = 4
