@@ -46,6 +46,7 @@ TIMED = [
     ("moss_cli.stages", "Model.decoder.func", "decoder load"),
     ("moss_cli.gpu.denoiser", "CudaDenoiser.upload", "transformer upload"),
     ("moss_cli.gpu.capture", "capture", "graph captures"),
+    ("moss_cli.gpu.decoder", "DecoderOps._host_split_weight", "VAE splits taken"),
     ("moss_cli.ops.cuda.table", "CudaOps.__init__", "op tables made"),
     ("moss_cli.png", "encode_png", "PNG"),
     ("cuda_kernels.gemm", "Blas.__init__", "cuBLASLt handle"),
