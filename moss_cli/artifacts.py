@@ -266,8 +266,7 @@ def write(path, data):
         if sys.stdout is None:
             raise UsageError("stdout is closed; give a file name or redirect stdout")
         try:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
+            _write_stdout(data)
         except OSError as e:
             _drop_stdout()   # else Python's flush at exit fails again, with a second message
             if isinstance(e, BrokenPipeError):
@@ -299,10 +298,34 @@ def write(path, data):
 def _write_in_place(path, data):
     """Write into a character device or a FIFO (which blocks until a reader opens it); never creates a file."""
     try:
-        with os.fdopen(os.open(path, os.O_WRONLY), "wb") as f:
-            f.write(data)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise UsageError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _write_stdout(data):
+    out = sys.stdout.buffer
+    out.flush()
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError):          # a stream with no descriptor (io.UnsupportedOperation is both)
+        out.write(data)
+        out.flush()
+        return
+    _write_all(fd, data)
+
+
+def _write_all(fd, data):
+    """Every byte of DATA to the descriptor FD. A pipe whose reader leaves during a large write takes part of it
+    and says so only by the count (a buffered file's write then returns short, and the rest is lost without an
+    error); the next write fails with EPIPE (BrokenPipeError)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _drop_stdout():

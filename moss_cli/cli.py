@@ -67,16 +67,19 @@ def _gpu_memory_now():
     return stages._gpu_memory()
 
 
-def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None, lora=()):
+def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, size=None, lora=(), room=False):
     """The stage's Model on its device, with its GPU memory plan and the --lora adapters; `size` (width, height),
     or a function of the checkpoint giving it (the decoder's comes from its LAT). On a GPU the driver opens and
     the plan is made first, and the encoder's or the transformer's weights start for the GPU then, while the
-    kernel library is imported (stages.preload_gpu_weights, as moss-image does)."""
+    kernel library is imported (stages.preload_gpu_weights, as moss-image does). `room`: the host memory the
+    stage needs at that size is checked first (stages.check_room), and again for the CPU where auto takes it."""
     if device not in DEVICES:
         resolve(device, stage)                  # its error, before anything is read
     checkpoint = _checkpoint(model_dir, lora)
     if callable(size):
         size = size(checkpoint)
+    if room:
+        stages.check_room(checkpoint, stage, *size, "cpu" if device == "cpu" else "cuda")
     plan = None
     if not show_plan:
         def planner(memory):
@@ -86,6 +89,8 @@ def _open(model_dir, device, stage, progress, gpu_memory=None, show_plan=False, 
         _, plan = stages.preload_gpu_weights(checkpoint, device, [s for s in (stage,) if s in stages.GPU_COMPONENTS],
                                              planner=planner)
     chosen = resolve(device, stage)
+    if room and device != "cpu" and chosen == "cpu":
+        stages.check_room(checkpoint, stage, *size, "cpu")
     if chosen != "cuda" and plan is not None:       # auto chose the CPU after all
         from .memory.preload import discard
         discard()
@@ -151,14 +156,8 @@ def _note_model(progress, checkpoint, device):
 
 
 def _text(option, text):
-    """TEXT, or one line when the command line held bytes that are not UTF-8 (Python keeps them as lone
-    surrogates, which the tokenizer cannot take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        at = len(text[:e.start].encode("utf-8"))
-        raise UsageError(f"{option}: not UTF-8 text (byte {at})") from None
-    return text
+    """TEXT, or one line when the command line held bytes that are not UTF-8 (stages.check_text)."""
+    return stages.check_text(option, text)
 
 
 def _given(name):
@@ -240,9 +239,18 @@ def memory_options(f):
     f = click.option("--plan", "show_plan", is_flag=True,
                      help="Print the GPU memory plan (what stays on the GPU, what streams) and exit without "
                           "loading.")(f)
-    return click.option("--gpu-memory", default=None, metavar="GB",
+    return click.option("--gpu-memory", default=None, metavar="GB", callback=_budget,
                         help="GPU memory budget in GB [the GPU's free memory; $MOSS_GPU_MEMORY]. Weights that do "
                              "not fit stream from host memory; the output is the same.")(f)
+
+
+def _budget(ctx, param, value):
+    """--gpu-memory (or $MOSS_GPU_MEMORY) checked as it is read, whatever device the stages take: a number of GB
+    above 0 (memory.plan.budget_bytes' own check)."""
+    from .memory.plan import ENV, budget_bytes
+    if value is not None or os.environ.get(ENV, "").strip():
+        budget_bytes(value, free=1 << 62)     # any free memory: only the value is checked
+    return value
 
 
 lora_option = click.option(
@@ -329,7 +337,8 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     if init == "-" and enc == "-":
         raise UsageError("ENC and --init cannot both be stdin")
     artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []),
-                          [("the input ENC", enc)] + ([("--init", init)] if init not in (None, "-") else []))
+                          [(name, path) for name, path in (("the input ENC", enc), ("--init", init), ("--mask", mask))
+                           if path is not None])
     model = _open(model_dir, device, "denoise", progress, gpu_memory, show_plan, _size(width, height), lora)
     start = None
     if init is not None:
@@ -370,8 +379,10 @@ def _encode_image(model_dir, picture, width, height, device, gpu_memory, show_pl
     from . import picture as pictures
     progress = Progress(quiet, "moss-encode-image")
     artifacts.check_writable(out)
+    artifacts.check_apart([("--out", out)], [("the input picture", picture)])
     source = pictures.read(picture)
-    model = _open(model_dir, device, "encode-image", progress, gpu_memory, show_plan, source.target(width, height))
+    model = _open(model_dir, device, "encode-image", progress, gpu_memory, show_plan, source.target(width, height),
+                  room=True)
     artifacts.write(out, stages.encode_image(model, source, width, height))
     _wrote(progress, out, "IMAGE")
 
@@ -451,7 +462,9 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         several = len(pictures) > 1
         kept = {name for p in pictures for name in batch.keep_names(p, several)}
         outputs += [("--keep", keep / name) for name in sorted(kept)]
-    artifacts.check_apart(outputs, [("--prompt-file", prompt_file)] if prompt_file not in (None, "-") else [])
+    artifacts.check_apart(outputs, [(name, path) for name, path in (("--prompt-file", prompt_file),
+                                                                    ("--init-image", init_image), ("--mask", mask))
+                                    if path not in (None, "-")])
     checkpoint = _checkpoint(model_dir, lora)
     opts = _sampling(checkpoint, progress, pictures[0].seed, steps, guidance, width, height, shift,
                      skip_layers, skip_start, skip_stop, noise)
@@ -462,18 +475,23 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
         _memory_plan(checkpoint, resolve(device, "denoise"), planned, gpu_memory, size, True, progress)
     # the devices resolve after the preload (which must start before the kernel library is imported): until
     # then only the host's part of a GPU run is checked, and a stage that auto puts on the CPU is checked again
-    for stage in ("denoise", "decode"):
+    checked = ("denoise", "decode") + (("encode-image",) if encodes else ())
+    for stage in checked:
         stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu" if device == "cpu" else "cuda")
     # the encoder's and the transformer's weights start for the GPU now, while the kernel library is imported
     # (the base weights: --lora adapters are merged on the GPU once they are there)
     model_for, chosen = batch.open_models(checkpoint, device, progress, gpu_memory, size, image=encodes)
-    for stage in ("denoise", "decode"):
-        if device != "cpu" and chosen[stage] == "cpu":
+    for stage in checked:
+        if device != "cpu" and resolve(device, stage) == "cpu":
             stages.check_room(checkpoint, stage, opts.width, opts.height, "cpu")
     _warn_cpu_dit(checkpoint, device, chosen["denoise"], progress)
     on = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
           else ", ".join(f"{dev} for {stage}" for stage, dev in chosen.items()))
     _note_model(progress, checkpoint, on)
+    prompts = {p.prompt.index: p.prompt for p in pictures}.values()
+    stages.check_prompts(model_for("encode").tokenizer,               # every prompt, before the first picture
+                         [("prompt" if prompt_file is None else f"prompt on line {p.line} of --prompt-file", p.text)
+                          for p in prompts] + ([("negative", negative)] if opts.cfg else []))
     if not opts.cfg and _given("negative"):
         progress.warn(f"--negative is unused: guidance {opts.guidance:g} runs no negative pass")
     if keep is not None:

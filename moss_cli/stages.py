@@ -111,7 +111,8 @@ def host_need(checkpoint, stage, width, height, device):
     """A lower bound of the host memory STAGE holds at once for a WIDTH x HEIGHT picture on DEVICE: the
     noise draw (a uint64 and a float32 per element); on the CPU also the latents, the velocity, one DiT
     block's activations per token and one block of attention scores and their softmax, or the decoder's first
-    full-size maps (the last up block's input, its normed copy, its first conv's output). On the GPU those
+    full-size maps (the last up block's input, its normed copy, its first conv's output); for "encode-image"
+    the picture resized and its latents, on the CPU the VAE encoder's first full-size maps. On the GPU those
     live in its memory, which its memory plan checks."""
     from .ops.numpy.core import ATTENTION_BLOCK
     from .vae import _config
@@ -126,6 +127,17 @@ def host_need(checkpoint, stage, width, height, device):
             need = max(need, block + scores)
         return need
     pixels = width * height
+    if stage == "encode-image":
+        # the picture resized (RGB bytes) and as float32 [3, H, W], and its latents; on the CPU also the VAE
+        # encoder's first full-size maps: conv_in's output beside the picture and a band of its columns (the
+        # numpy conv's im2col), then that output and its normed copy
+        need = 4 * channels * tokens + 15 * pixels
+        if device == "cpu":
+            from .ops.numpy.conv import IM2COL_BUDGET
+            first = _config(checkpoint.config("vae"))["widths"][0]
+            band = max(0, min(27 * pixels, IM2COL_BUDGET - 27 * (width + 3)))
+            need = max(need, 12 * pixels + 4 * first * pixels + 4 * band, 4 * pixels * 2 * first)
+        return need
     need = 4 * channels * tokens + 3 * pixels
     if device == "cpu":
         widths = _config(checkpoint.config("vae"))["widths"]
@@ -140,7 +152,7 @@ def check_room(checkpoint, stage, width, height, device, memory=None):
     need = host_need(checkpoint, stage, width, height, device)
     have = host_memory() if memory is None else memory
     if need > have:
-        doing = {"denoise": "denoising", "decode": "decoding"}[stage]
+        doing = {"denoise": "denoising", "decode": "decoding", "encode-image": "encoding the picture"}[stage]
         raise UsageError(f"{width}x{height}: {doing} needs at least {need / 1e9:.1f} GB of memory, and this "
                          f"machine has {have / 1e9:.1f} GB; give a smaller --width/--height")
 
@@ -335,9 +347,7 @@ class Model:
 
     @cached_property
     def tokenizer(self):
-        from .tokenizer import ChatTokenizer
-        cls = self.checkpoint.model_index.get("tokenizer", [None, None])[-1]
-        return ChatTokenizer.from_folder(self.checkpoint.root / "tokenizer", tokenizer_class=cls)
+        return chat_tokenizer(self.checkpoint)
 
     @cached_property
     def encoder(self):
@@ -460,19 +470,48 @@ class Model:
 
 # --- encode ----------------------------------------------------------------------------------
 
+def chat_tokenizer(checkpoint):
+    """The checkpoint's tokenizer with its chat template (tokenizer.ChatTokenizer)."""
+    from .tokenizer import ChatTokenizer
+    cls = checkpoint.model_index.get("tokenizer", [None, None])[-1]
+    return ChatTokenizer.from_folder(checkpoint.root / "tokenizer", tokenizer_class=cls)
+
+
+def check_text(name, text):
+    """TEXT, or one line naming NAME when it holds what is not UTF-8 text: bytes a command line gave that are not
+    UTF-8 (Python keeps them as lone surrogates), or a lone surrogate a JSON request escaped; the tokenizer takes
+    neither."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        at = len(text[:e.start].encode("utf-8"))
+        raise UsageError(f"{name}: not UTF-8 text (byte {at})") from None
+    return text
+
+
+def check_prompts(tokenizer, texts):
+    """The token ids of each (role, text) after the chat template; a text over the encoder's limit is refused, where
+    the official pipeline cuts it there, losing the template's end (the assistant's turn)."""
+    from .tokenizer import MAX_TOKENS
+    out = []
+    for role, text in texts:
+        ids, truncated = tokenizer.encode_prompt(text)
+        if truncated:
+            raise UsageError(f"{role}: over the encoder's {MAX_TOKENS} tokens after the chat template; shorten it "
+                             "(the official pipeline would cut it there, dropping the template's end)")
+        out.append(ids)
+    return out
+
+
 def encode(model, prompt, negative=DEFAULT_NEGATIVE, negative_cache=None, once=False):
     """ENC bytes for PROMPT (and NEGATIVE unless it is None). NEGATIVE_CACHE, a dict the caller keeps between
     calls, holds the negative's rows by token ids, so several prompts with one negative encode it once. ONCE: the
     process encodes nothing else, so the GPU encoder makes no graph for these rows (CudaEncoder's `once`)."""
     tensors = {}
-    for role, text in (("prompt", prompt), ("negative", negative)):
-        if text is None:
-            continue
+    texts = [(role, text) for role, text in (("prompt", prompt), ("negative", negative)) if text is not None]
+    token_ids = check_prompts(model.tokenizer, texts)         # both, before the encoder loads
+    for (role, text), ids in zip(texts, token_ids):
         encoder = model.encoder
-        ids, truncated = model.tokenizer.encode_prompt(text)
-        if truncated:
-            model.progress.warn(f"{role} is over the encoder's limit after templating; "
-                                f"kept the first {len(ids)} tokens, as the official pipeline does")
         cache = negative_cache if role == "negative" and negative_cache is not None else {}
         rows = cache.get(tuple(ids))
         if rows is None:

@@ -177,12 +177,34 @@ def test_encode_names_what_is_wrong_with_the_checkpoint(tmp_path, breakage, need
     assert needle in line and not out.exists()
 
 
-def test_prompt_over_the_limit_is_truncated_with_a_warning(tmp_path):
+def _longest_prompt():
+    """The most repeats of "fox " whose templated ids fit the encoder's 4096 (the tiny checkpoint's tokenizer)."""
+    from moss_cli.checkpoint import open_checkpoint
+    from moss_cli.stages import chat_tokenizer
+    tokenizer = chat_tokenizer(open_checkpoint())
+    low, high = 1, 8192                  # fits, does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if not tokenizer.encode_prompt("fox " * mid)[1] else (low, mid)
+    return "fox " * low, "fox " * high, len(tokenizer.encode_prompt("fox " * low)[0])
+
+
+def test_a_prompt_over_the_limit_is_refused_before_any_work_and_one_at_it_is_encoded(tmp_path):
+    fits, over, n = _longest_prompt()
+    assert 4090 <= n <= 4096
     out = tmp_path / "long.enc"
-    r = run("moss-encode", "--prompt", "fox " * 5000, "--no-negative", "--out", out, "--quiet")
-    assert r.code == 0 and "warning" in r.stderr
-    tensors, _ = load(out)
-    assert tensors["prompt_ids"].shape == (4096,)
+    assert "prompt: over the encoder's 4096 tokens" in single_error(run("moss-encode", "--prompt", over,
+                                                                           "--no-negative", "--out", out))
+    assert not out.exists()
+    r = run("moss-encode", "--prompt", fits, "--no-negative", "--out", out, "--quiet")
+    assert r.code == 0 and r.stderr == "", r.stderr
+    assert load(out)[0]["prompt_ids"].shape == (n,)
+    # moss-image checks every prompt of a file before its first picture
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n" + over + "\n")
+    line = single_error(run("moss-image", "--prompt-file", prompts, "--seed", "1", "--steps", "1",
+                            "--picture", tmp_path / "p-{line}.png"))
+    assert "prompt on line 2 of --prompt-file" in line and not list(tmp_path.glob("p-*.png"))
 
 
 def test_no_gpu_for_device_cuda_is_one_line(tmp_path):

@@ -129,6 +129,25 @@ def test_an_output_that_is_the_input_is_refused_before_any_work(tmp_path, enc, l
     assert "is --prompt-file" in line and prompts.read_text() == "a fox\n"
 
 
+def test_a_picture_or_mask_to_start_from_is_an_input_too(tmp_path, enc):
+    from PIL import Image
+    photo, mask = tmp_path / "photo.png", tmp_path / "mask.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    Image.new("L", (64, 48), 255).save(mask)
+    kept = photo.read_bytes(), mask.read_bytes()
+    line = single_error(run("moss-encode-image", photo, "--out", photo))
+    assert "is the input picture" in line
+    for extra, says in ((["--picture", photo], "is --init-image"), (["--mask", mask, "--picture", mask], "is --mask")):
+        args = ["--prompt", "x", "--seed", "1", *FAST, "--init-image", photo]
+        line = single_error(run("moss-image", *args, *(extra if "--mask" in extra else extra)))
+        assert says in line, line
+    image = tmp_path / "photo.img"
+    assert run("moss-encode-image", photo, "--out", image, "--quiet").code == 0
+    line = single_error(run("moss-denoise", enc, *DENOISE, "--init", image, "--mask", mask, "--out", mask))
+    assert "is --mask" in line
+    assert (photo.read_bytes(), mask.read_bytes()) == kept
+
+
 def test_two_outputs_that_are_one_file_are_refused(tmp_path, enc):
     line = single_error(run("moss-denoise", enc, *DENOISE, "--out", tmp_path / "a.lat", "--trace",
                             tmp_path / "." / "a.lat"))
@@ -195,6 +214,36 @@ def test_a_size_past_the_machines_memory_is_refused_before_any_work(tmp_path, en
     r = run("moss-denoise", enc, "--seed", "1", "--width", "100000", "--height", "100000", "--out", tmp_path / "a.lat")
     assert "denoising needs at least" in single_error(r) and "loading" not in r.stderr
     assert list(tmp_path.iterdir()) == []
+    from PIL import Image
+    photo = tmp_path.parent / f"{tmp_path.name}-photo.png"
+    Image.new("RGB", (64, 48)).save(photo)
+    r = run("moss-encode-image", photo, "--width", "160000", "--height", "160000", "--out", tmp_path / "a.img")
+    assert "160000x160000: encoding the picture needs at least" in single_error(r) and "loading" not in r.stderr
+    r = run("moss-image", "--prompt", "x", "--seed", "1", "--width", "40000", "--height", "40000", "--init-image",
+            photo, "--steps", "1", "--picture", tmp_path / "a.png")
+    assert "encoding the picture needs at least" in single_error(r) and "loading" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("given,says", [(["--gpu-memory", "abc"], "--gpu-memory 'abc': give a number of GB"),
+                                        (["--gpu-memory", "-3"], "--gpu-memory -3: give a positive number"),
+                                        ([], "$MOSS_GPU_MEMORY 'zzz': give a number of GB")])
+def test_a_bad_gpu_memory_budget_is_refused_on_any_device(tmp_path, given, says):
+    env = dict(os.environ, **({} if given else {"MOSS_GPU_MEMORY": "zzz"}))
+    r = run("moss-encode", "--prompt", "x", "--device", "cpu", "--out", tmp_path / "a.enc", *given, env=env)
+    assert says in single_error(r) and r.code == 1 and not (tmp_path / "a.enc").exists()
+
+
+def test_a_reader_that_leaves_mid_write_fails_the_command(enc):
+    """The LAT (about 2 MB at 512x512) does not fit a pipe's 64 KB: once the first bytes arrive the command is
+    inside its write, which the kernel ends short when this reader closes; the command must not say it wrote."""
+    argv = [str(BIN / "moss-denoise"), str(enc), "--seed", "1", "--steps", "1", "--width", "512", "--height", "512",
+            "--out", "-"]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(p.stdout.read(10)) == 10
+    p.stdout.close()
+    assert p.wait(timeout=300) == 1
+    assert "wrote LAT" not in p.stderr.read().decode()
 
 
 def test_the_room_check_names_the_need_and_what_the_machine_has():
@@ -208,7 +257,7 @@ def test_the_room_check_names_the_need_and_what_the_machine_has():
     assert 0 < stages.host_memory()
 
 
-@pytest.mark.parametrize("stage", ["denoise", "decode"])
+@pytest.mark.parametrize("stage", ["denoise", "decode", "encode-image"])
 def test_the_need_is_a_lower_bound_of_the_cpu_peak(stage, enc):
     """The room check never refuses a size the CPU could make: its need is at most what tracemalloc measures
     (and within 4x of it, so it is not vacuous)."""
@@ -218,10 +267,19 @@ def test_the_need_is_a_lower_bound_of_the_cpu_peak(stage, enc):
     for part in ("transformer", "decoder"):     # loaded first: weights are not what the estimate counts
         getattr(model, part)
     latents = artifacts.parse(stages.denoise(model, source, options)[0], "lat", "denoise")
+    import io
+    from PIL import Image
+    from moss_cli import picture
+    photo = io.BytesIO()
+    Image.new("RGB", (640, 480), (90, 160, 40)).save(photo, format="PNG")
+    photo = picture.from_bytes(photo.getvalue(), "photo")
+    model.image_encoder
     tracemalloc.start()
     try:
         if stage == "denoise":
             stages.denoise(model, source, options)
+        elif stage == "encode-image":
+            stages.encode_image(model, photo, 512, 384)
         else:
             stages.decode_pixels(model, latents)
         peak = tracemalloc.get_traced_memory()[1]

@@ -164,6 +164,8 @@ BAD = [
     ({"response_format": "jpeg"}, "response_format", "'b64_json' or 'url'"),
     ({"prompt": "x" * (MAX_PROMPT + 1)}, "prompt", f"more than the {MAX_PROMPT}"),
     ({"negative_prompt": "x" * (MAX_PROMPT + 1)}, "negative_prompt", f"more than the {MAX_PROMPT}"),
+    ({"prompt": "fox " * 4000}, "prompt", "over the encoder's 4096 tokens"),
+    ({"negative_prompt": "fox " * 4000}, "negative_prompt", "over the encoder's 4096 tokens"),
     ({"prompt": None}, "prompt", "Field required"),
     ({"prompt": 5}, "prompt", "valid string"),
     ({"seed": 2**64}, "seed", "out of the range"),
@@ -192,6 +194,17 @@ def test_a_bad_request_gets_400_in_openais_shape_and_is_never_queued(engine, url
     assert says in error["message"], error["message"]
     assert engine.made == made and engine.depth == 0
     assert httpx.get(f"{url}/health", timeout=WAIT_S).json()["status"] == "ready"
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_a_lone_surrogate_in_a_prompt_is_400_naming_its_field(engine, url, field):
+    """JSON may escape a lone surrogate (\\ud800), which is no text the tokenizer takes: 400, not a failed picture."""
+    made = engine.made
+    body = json.dumps({"prompt": "a fox", **TINY, field: "a\ud800b"})      # ensure_ascii: sent escaped
+    r = httpx.post(f"{url}/v1/images/generations", content=body.encode("ascii"), timeout=WAIT_S,
+                   headers={"content-type": "application/json"})
+    error = error_of(r)
+    assert error["param"] == field and "not UTF-8 text" in error["message"] and engine.made == made
 
 
 @pytest.mark.parametrize("body,status,code", [
@@ -515,9 +528,9 @@ def test_the_openai_clients_image_edit_is_moss_image_init_image_and_mask(url, fo
     want = {}
     for name, args in (("strength", ["--strength", "0.5"]), ("mask", ["--mask", tmp_path / "mask.png"])):
         r = run("moss-image", "--prompt", "a fox in the snow", "--seed", 3, "--steps", 4, "--init-image",
-                tmp_path / "in.png", *args, "--picture", tmp_path / f"{name}.png", "--quiet")
+                tmp_path / "in.png", *args, "--picture", tmp_path / f"{name}-made.png", "--quiet")
         assert r.code == 0, r.stderr
-        want[name] = (tmp_path / f"{name}.png").read_bytes()
+        want[name] = (tmp_path / f"{name}-made.png").read_bytes()
     with open(tmp_path / "in.png", "rb") as image:
         result = client(url).images.edit(model="tiny", image=image, prompt="a fox in the snow", n=2, extra_body={
             "seed": 3, "num_inference_steps": 4, "strength": 0.5})

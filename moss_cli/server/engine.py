@@ -13,6 +13,7 @@ host), so its PNG equals moss-image's with the same --lora options in the same o
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import secrets
@@ -29,7 +30,7 @@ from ..png import encode_png
 from ..progress import Silent
 
 MAX_PICTURES = 8            # per request, as OpenAI's n
-MAX_PROMPT = 16384          # characters of a prompt or negative; the encoder keeps at most 4096 tokens anyway
+MAX_PROMPT = 16384          # characters of a prompt or negative (over 4096 tokens is refused: stages.check_prompts)
 MAX_SIDE = 4096             # pixels a side, and ...
 MAX_STEPS = 1000            # ... steps: one request cannot hold the worker for hours
 KEEP_PROMPTS = 8            # prompt encodings and negative rows kept for later requests
@@ -121,6 +122,7 @@ class Engine:
         self._running = None
         self._closed = False
         self._lock = threading.Condition()
+        self._tokenizing = threading.Lock()     # the requests' own tokenizer, made on first use
         self._prompts = Recent(KEEP_PROMPTS)
         self._negatives = Recent(KEEP_PROMPTS)
         self.loaded = threading.Event()      # set once the load (and warm-up) succeeded or failed
@@ -129,6 +131,10 @@ class Engine:
     @property
     def fingerprint(self):
         return self.checkpoint.fingerprint
+
+    @functools.cached_property
+    def _tokenizer(self):
+        return stages.chat_tokenizer(self.checkpoint)
 
     def start(self):
         self._thread.start()
@@ -150,6 +156,9 @@ class Engine:
         for name, text in (("prompt", prompt), ("negative", negative)):
             if len(text) > MAX_PROMPT:
                 raise UsageError(f"{name}: {len(text)} characters, more than the {MAX_PROMPT} a request may hold")
+            stages.check_text(name, text)
+        with self._tokenizing:              # the engine's thread encodes with the model's tokenizer meanwhile
+            stages.check_prompts(self._tokenizer, [("prompt", prompt), ("negative", negative)])
         if not 1 <= count <= MAX_PICTURES:
             raise UsageError(f"n {count}: give 1 to {MAX_PICTURES} pictures")
         if seed is None:
