@@ -169,7 +169,7 @@ BAD = [
     ({"prompt": None}, "prompt", "Field required"),
     ({"prompt": 5}, "prompt", "valid string"),
     ({"seed": 2**64}, "seed", "out of the range"),
-    ({"seed": 2**64 - 1, "n": 2}, "seed", "out of the range"),       # the second picture's seed
+    ({"seed": 2**64 - 1, "n": 2}, "seed", "the last picture's seed, 18446744073709551616, is out of the range"),
     ({"skip_start": 0.5, "skip_stop": 0.2}, "skip_start", "0 <= start <= stop <= 1"),
     ({"uncond_skip_layers": "22x"}, "uncond_skip_layers", "give block indices"),
     ({"uncond_skip_layers": [22, "x"]}, "uncond_skip_layers", "valid"),
@@ -216,6 +216,12 @@ def test_a_lone_surrogate_in_a_prompt_is_400_naming_its_field(engine, url, field
 def test_a_body_that_is_not_a_json_object_or_too_large_is_refused(url, body, status, code):
     r = httpx.post(f"{url}/v1/images/generations", content=body, timeout=WAIT_S)
     assert error_of(r, status)["code"] == code
+
+
+@pytest.mark.parametrize("path", ["/v1/images/generations", "/v1/images/edits"])
+def test_get_on_a_post_endpoint_is_405(url, path):
+    r = httpx.get(f"{url}{path}", timeout=WAIT_S)
+    assert error_of(r, 405)["code"] == "method_not_allowed"
 
 
 def test_the_native_endpoint_names_its_own_fields_in_errors(url):

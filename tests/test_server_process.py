@@ -75,3 +75,9 @@ def test_a_port_in_use_is_one_line_and_exit_1_before_the_model_loads():
     line = single_error(r)
     assert r.code == 1 and f"--host 127.0.0.1 --port {port}: cannot listen there" in line
     assert "loading" not in r.stderr
+
+
+def test_only_a_loopback_address_goes_without_the_api_key_warning():
+    from moss_cli.server.main import _loopback
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("127.0.0.2")
+    assert not _loopback("0.0.0.0") and not _loopback("::") and not _loopback("192.168.1.2")

@@ -340,7 +340,10 @@ def create_app(engine, api_key=None, kept=None):
                                                                          "X-Moss-Seconds": f"{made[0].seconds:.4f}"})
 
     @api.get("/v1/images/{name}", name="image")
-    async def image(name: str):
+    async def image(name: str, request: Request):
+        if name in ("generations", "edits"):        # the POST endpoints, asked with GET
+            raise ApiError(405, f"GET is not allowed on {request.url.path}: POST a request",
+                           code="method_not_allowed")
         png = kept.get(name)
         if png is None:
             raise ApiError(404, f"no picture {name} (pictures are kept {URL_SECONDS} s, the last {kept.keep})",

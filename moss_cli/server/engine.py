@@ -164,7 +164,11 @@ class Engine:
         if seed is None:
             seed = secrets.randbelow(2**32)
         options = self.options(seed, **given)
-        self.options(seed + count - 1, **given)      # the last picture's seed is in range too
+        try:
+            self.options(seed + count - 1, **given)      # the last picture's seed is in range too
+        except UsageError:
+            raise UsageError(f"--seed {seed}: with n {count} the last picture's seed, {seed + count - 1}, is out of "
+                             "the range torch.Generator.manual_seed takes (-2**63 to 2**64-1)") from None
         for name, value, most in (("width", options.width, MAX_SIDE), ("height", options.height, MAX_SIDE),
                                   ("steps", options.steps, MAX_STEPS)):
             if value > most:

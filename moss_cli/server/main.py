@@ -15,6 +15,14 @@ from ..progress import Progress
 DEFAULT_PORT = 8000
 
 
+def _loopback(address):
+    import ipaddress
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def _listen(host, port):
     """A socket bound to HOST:PORT, before the model loads: a port in use is one line at once."""
     try:
@@ -98,6 +106,8 @@ def _server(model_dir, host, port, device, gpu_memory, max_queue, api_key, lora,
                   f"http://{host}:{sock.getsockname()[1]}" + (", API key required" if api_key else ""))
     for name, adapter in adapters.items():
         progress.note(f"LoRA {name}: {adapter.describe()}")
+    if api_key is None and not _loopback(sock.getsockname()[0]):
+        progress.warn(f"--host {host} without --api-key: anyone who reaches this port can use the GPU")
     engine.start()
     _serve(engine, create_app(engine, api_key=api_key), sock, quiet)
 
