@@ -270,7 +270,8 @@ def preload_gpu_weights(checkpoint, device, stages=("encode", "denoise"), planne
         if drv.compute_capability < (8, 0):
             raise DeviceError("bf16 needs compute capability 8.0 or newer")
         cuda_driver.driver(opened=drv)
-        cuda_lanes.process_lanes().prepare()          # pinned slots, streams and lane threads
+        if stages:                                    # weights to send: pinned slots, streams and lane threads
+            cuda_lanes.process_lanes().prepare()
         marks["lanes_ready"] = time.perf_counter()
 
     opening = threading.Thread(target=lambda: _try(open_and_prepare, failed), name="cuda-open")
