@@ -566,12 +566,15 @@ def literal(strength, mask):
     return strength == 1.0 and mask is None
 
 
+START_HINT = "give --init IMAGE.lat (moss-image: --init-image)"     # the server names its own field instead
+
+
 def check_start(init, strength, mask):
     """--strength and --mask only with a picture to start from; the strength in (0, 1] (default DEFAULT_STRENGTH)."""
     if init is None and mask is not None:
-        raise UsageError("--mask needs a picture to keep: give --init IMAGE.lat (moss-image: --init-image)")
+        raise UsageError(f"--mask needs a picture to keep: {START_HINT}")
     if init is None and strength is not None:
-        raise UsageError("--strength needs a picture to start from: give --init IMAGE.lat (moss-image: --init-image)")
+        raise UsageError(f"--strength needs a picture to start from: {START_HINT}")
     strength = DEFAULT_STRENGTH if strength is None else strength
     if not (math.isfinite(strength) and 0 < strength <= 1):
         raise UsageError(f"--strength {strength:g}: must be in (0, 1]")

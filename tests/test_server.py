@@ -502,8 +502,8 @@ def test_the_native_endpoint_starts_from_a_picture_as_moss_image_init_image_does
 
 
 @pytest.mark.parametrize("change,param,says", [
-    ({"mask": "aGVsbG8="}, "mask", "needs a picture to keep"),
-    ({"strength": 0.5}, "strength", "needs a picture to start from"),
+    ({"mask": "aGVsbG8="}, "mask", "needs a picture to keep: give init_image"),
+    ({"strength": 0.5}, "strength", "needs a picture to start from: give init_image"),
     ({"init_image": "FOX", "strength": 1.5}, "strength", "must be in (0, 1]"),
     ({"init_image": "not base64!"}, "init_image", "not base64"),
     ({"init_image": base64.b64encode(b"hello").decode()}, "init_image", "not a PNG, JPEG or WebP"),

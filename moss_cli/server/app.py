@@ -180,6 +180,7 @@ def _usage(error, fields):
     field = fields.get(flag)
     if field is not None and flag.startswith("--"):
         message = message.replace(flag, flag[2:].replace("-", "_"), 1)
+    message = message.replace(stages.START_HINT, f"give {fields.get('init_image', 'init_image')}")
     return ApiError(400, message, param=field, code="invalid_value")
 
 
