@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import artifacts, stages
 from .device import resolve
-from .errors import UsageError
+from .errors import OptionError, UsageError
 
 MAX_PICTURES = 10000                       # per run: a mistyped range fails at once, not after hours
 STAGES = ("encode", "denoise", "decode")
@@ -100,9 +100,9 @@ def parse_seeds(values):
 def read_prompts(prompt, prompt_file):
     """The prompts of --prompt or --prompt-file (exactly one of them)."""
     if prompt is not None and prompt_file is not None:
-        raise UsageError("--prompt and --prompt-file: give one of them, not both")
+        raise OptionError("--prompt and --prompt-file: give one of them, not both")
     if prompt is None and prompt_file is None:
-        raise UsageError("give --prompt TEXT or --prompt-file FILE")
+        raise OptionError("give --prompt TEXT or --prompt-file FILE")
     if prompt is not None:
         return [Prompt(prompt, 1, 1)]
     name = str(prompt_file)

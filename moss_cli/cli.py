@@ -8,7 +8,7 @@ import click
 
 from . import __version__, artifacts, batch, stages
 from .device import DEVICES, resolve
-from .errors import CheckpointError, MossError, PictureError, UsageError, out_of_memory
+from .errors import CheckpointError, MossError, OptionError, PictureError, UsageError, out_of_memory
 from .progress import Progress
 
 
@@ -28,7 +28,7 @@ def _run(command, prog):
         sys.exit(130)
     except MossError as e:
         click.echo(f"{prog}: error: {e}", err=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, OptionError) else 1)
     except KeyboardInterrupt:
         click.echo(f"{prog}: interrupted", err=True)
         sys.exit(130)
@@ -303,7 +303,7 @@ def sampling_options(f, seed=None):
 def _encode(model_dir, prompt, negative, no_negative, lora, device, gpu_memory, show_plan, out, quiet):
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
-        raise UsageError("--negative and --no-negative conflict: give one of them")
+        raise OptionError("--negative and --no-negative conflict: give one of them")
     prompt, negative = _text("--prompt", prompt), _text("--negative", negative)
     artifacts.check_writable(out)
     model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None), lora)
@@ -335,7 +335,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
         artifacts.check_writable(trace)
     strength = stages.check_start(init, strength, mask)
     if init == "-" and enc == "-":
-        raise UsageError("ENC and --init cannot both be stdin")
+        raise OptionError("ENC and --init cannot both be stdin")
     artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []),
                           [(name, path) for name, path in (("the input ENC", enc), ("--init", init), ("--mask", mask))
                            if path is not None])

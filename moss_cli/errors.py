@@ -9,6 +9,11 @@ class UsageError(MossError):
     """A bad option value (size, steps, guidance, ...)."""
 
 
+class OptionError(UsageError):
+    """Options missing or in conflict, beyond what click's declarations say: a usage error, as click's own are
+    (the commands exit 2 for it)."""
+
+
 class CheckpointError(MossError):
     """The model folder is missing, incomplete, corrupt, or not MOSS-Image."""
 

@@ -129,9 +129,18 @@ def test_skip_window_edges_are_accepted(tmp_path, enc):
 def test_no_negative_with_a_negative_is_refused(tmp_path):
     out = tmp_path / "x.enc"
     for negative in ("blurry", ""):
-        line = single_error(run("moss-encode", "--prompt", "fox", "--no-negative", "--negative", negative,
-                                 "--out", out))
-        assert "--no-negative" in line and "--negative" in line and not out.exists()
+        r = run("moss-encode", "--prompt", "fox", "--no-negative", "--negative", negative, "--out", out)
+        line = single_error(r)
+        assert "--no-negative" in line and "--negative" in line and not out.exists() and r.code == 2
+
+
+@pytest.mark.parametrize("args,says", [([], "give --prompt TEXT or --prompt-file FILE"),
+                                       (["--prompt", "p", "--prompt-file", "-"], "give one of them, not both")])
+def test_a_missing_or_conflicting_option_exits_2_as_clicks_own_do(tmp_path, args, says):
+    r = run("moss-image", *args, "--seed", "1", "--picture", tmp_path / "a.png")
+    assert says in single_error(r) and r.code == 2
+    r = run("moss-image", "--seed", "1", "--picture", tmp_path / "a.png", "--steps", "abc")      # click's own
+    assert r.code == 2
 
 
 def test_negative_with_guidance_1_warns_once(tmp_path):
