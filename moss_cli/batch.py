@@ -110,7 +110,8 @@ def read_prompts(prompt, prompt_file):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"--prompt-file {name}: not UTF-8 text (byte {e.start})") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UsageError(f"--prompt-file {name}: line {line} is not UTF-8 text (byte {e.start})") from None
     text = text.removeprefix("\ufeff")
     prompts = []
     for number, line in enumerate(text.split("\n"), start=1):

@@ -160,6 +160,14 @@ def _text(option, text):
     return stages.check_text(option, text)
 
 
+def _stdin_once(*inputs):
+    """Refuse two inputs that both read stdin ('-'): INPUTS are (name, path) pairs."""
+    named = [name for name, path in inputs if path == "-"]
+    if len(named) > 1:
+        both = "both" if len(named) == 2 else "all"
+        raise OptionError(f"{', '.join(named[:-1])} and {named[-1]} cannot {both} be stdin: give files for all but one")
+
+
 def _given(name):
     """Whether option NAME was given (on the command line or through the environment), not defaulted."""
     source = click.get_current_context().get_parameter_source(name)
@@ -334,8 +342,7 @@ def _denoise(model_dir, enc, seed, steps, guidance, width, height, shift, skip_l
     if trace:
         artifacts.check_writable(trace)
     strength = stages.check_start(init, strength, mask)
-    if init == "-" and enc == "-":
-        raise OptionError("ENC and --init cannot both be stdin")
+    _stdin_once(("ENC", enc), ("--init", init), ("--mask", mask))
     artifacts.check_apart([("--out", out)] + ([("--trace", trace)] if trace else []),
                           [(name, path) for name, path in (("the input ENC", enc), ("--init", init), ("--mask", mask))
                            if path is not None])
@@ -445,6 +452,7 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
     from . import picture as pictures_in
     progress = Progress(quiet, "moss-image")
     prompt, negative = (None if prompt is None else _text("--prompt", prompt)), _text("--negative", negative)
+    _stdin_once(("--prompt-file", prompt_file), ("--init-image", init_image), ("--mask", mask))
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
         raise UsageError(f"--keep {keep}: exists and is not a folder")

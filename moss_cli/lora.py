@@ -126,8 +126,12 @@ def parse_spec(text):
     path, sep, tail = str(text).rpartition(":")
     if sep and path:
         try:
-            scale = float(tail)
+            scale = float(tail) if "_" not in tail else None      # float() reads 1_0 as 10
         except ValueError:
+            scale = None
+        if scale is None:
+            if Path(path).exists() and not Path(text).exists():
+                raise UsageError(f"--lora {text}: the scale {tail!r} is not a number")
             return Path(text), 1.0
         if not math.isfinite(scale):
             raise UsageError(f"--lora {text}: the scale must be a finite number")
@@ -319,7 +323,10 @@ def _peft_config(path, metadata):
     """{component or "": LoraConfig fields} from the file's diffusers metadata, else adapter_config.json."""
     raw = metadata.get("lora_adapter_metadata")
     if raw is None and (path.parent / "adapter_config.json").is_file():
-        raw = (path.parent / "adapter_config.json").read_text(encoding="utf-8")
+        try:
+            raw = (path.parent / "adapter_config.json").read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise LoraError(f"--lora {path}: adapter_config.json cannot be read as UTF-8 text ({e})") from None
     if raw is None:
         return {}
     try:
@@ -344,11 +351,28 @@ def _alpha(path, stem, found, config, target):
             raise LoraError(f"--lora {path}: {key} is not one finite number")
         return float(value.reshape(()))
     fields = config.get(target.component, config.get("", {}))
-    for pattern, value in (fields.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", target.path):
-            return float(value)
+    patterns = fields.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise LoraError(f"--lora {path}: alpha_pattern in its LoRA config is not an object of pattern: alpha")
+    for pattern, value in patterns.items():
+        try:
+            matched = re.match(rf"(.*\.)?({pattern})$", target.path)
+        except re.error as e:
+            raise LoraError(f"--lora {path}: alpha_pattern {pattern!r} is not a regular expression ({e})") from None
+        if matched:
+            return _config_number(path, f"alpha_pattern {pattern!r}", value)
     alpha = fields.get("lora_alpha")
-    return None if alpha is None else float(alpha)
+    return None if alpha is None else _config_number(path, "lora_alpha", alpha)
+
+
+def _config_number(path, name, value):
+    """A LoRA config's number, refused where it is not one finite number (a string, a list, NaN, 1e999)."""
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if not math.isfinite(number):
+        raise LoraError(f"--lora {path}: {name} {value!r} in its LoRA config is not a finite number")
+    return number
 
 
 def _layer(path, stem, target, found, config):

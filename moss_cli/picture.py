@@ -1,6 +1,7 @@
-"""Pictures in: a PNG, JPEG or WebP read with pillow and brought to the VAE encoder's input as diffusers'
-image processors do (Flux2ImageProcessor: resize, then RGB, then [-1, 1]), and an inpainting mask brought to the
-latent grid as FluxInpaintPipeline's mask processor and prepare_mask_latents do.
+"""Pictures in: a PNG, JPEG or WebP read with pillow (turned upright by its EXIF orientation, as diffusers'
+load_image does) and brought to the VAE encoder's input as diffusers' image processors do (Flux2ImageProcessor:
+resize, then RGB, then [-1, 1]), and an inpainting mask brought to the latent grid as FluxInpaintPipeline's mask
+processor and prepare_mask_latents do.
 """
 
 import hashlib
@@ -97,7 +98,18 @@ def from_bytes(data, source):
         raise PictureError(f"{source}: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise PictureError(f"{source}: truncated or corrupt picture ({e})") from None
-    return Picture(image, hashlib.sha256(data).hexdigest(), source)
+    return Picture(upright(image), hashlib.sha256(data).hexdigest(), source)
+
+
+def upright(image):
+    """IMAGE turned as its EXIF orientation tag says (a phone's JPEG stored sideways), as diffusers' load_image
+    turns it (PIL.ImageOps.exif_transpose) before a pipeline sees it; a picture without the tag as it is."""
+    from PIL import ImageOps
+    try:
+        turned = ImageOps.exif_transpose(image)
+    except (OSError, SyntaxError, ValueError, TypeError):     # an unreadable EXIF block: the pixels as stored
+        return image
+    return image if turned is None else turned
 
 
 def nearest_rows(size_in, size_out):

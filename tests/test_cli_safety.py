@@ -188,6 +188,13 @@ def test_a_prompt_that_is_not_utf8_is_one_line(tmp_path, command, args, option, 
     assert "internal error" not in r.stderr and list(tmp_path.iterdir()) == []
 
 
+def test_a_prompt_file_line_that_is_not_utf8_is_named(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"a red fox\n\ncaf\xc3\xa9 \xff owl\n")
+    r = run("moss-image", "--prompt-file", prompts, "--seed", "1", "--picture", tmp_path / "p-{line}.png")
+    assert single_error(r).endswith(f"--prompt-file {prompts}: line 3 is not UTF-8 text (byte 17)")
+
+
 # --- 4: closed standard streams ---------------------------------------------------------------------
 
 def test_closed_stdin_and_stdout_are_one_line(tmp_path, enc):

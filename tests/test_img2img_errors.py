@@ -118,3 +118,35 @@ def test_device_cuda_without_a_gpu_is_one_line(files):
     fails(files, "moss-encode-image", files / "in.png", "--device", "cuda", says="--device cuda: ")
     assert load(files / "in.lat")[1]["moss.device"] == "cpu"        # auto chose the CPU
 
+
+
+def test_two_inputs_on_stdin_are_a_usage_error(files):
+    picture = (files / "in.png").read_bytes()
+    for command, args in (("moss-image", ["--prompt", "a fox", "--init-image", "-", "--mask", "-"]),
+                          ("moss-image", ["--prompt-file", "-", "--init-image", "-"]),
+                          ("moss-denoise", [files / "p.enc", "--init", "-", "--mask", "-"]),
+                          ("moss-denoise", ["-", "--init", "-"])):
+        out = ["--picture", files / "out.png"] if command == "moss-image" else ["--out", files / "out.file"]
+        r = run(command, *args, *DENOISE, *out, stdin=picture)
+        assert "cannot both be stdin" in single_error(r) and r.code == 2, r.stderr
+    assert not (files / "out.png").exists() and not (files / "out.file").exists()
+
+
+def test_a_picture_is_turned_upright_by_its_exif_orientation_as_diffusers_load_image_does(tmp_path):
+    """Stored 80x48 with orientation 6 (turn 90 degrees clockwise to show): read as the 48x80 picture it shows,
+    pixel for pixel PIL.ImageOps.exif_transpose's; without the tag, as stored (the control)."""
+    from PIL import ImageOps
+    from moss_cli import picture
+    a = (np.random.default_rng(3).random((48, 80, 3)) * 255).astype(np.uint8)
+    stored = Image.fromarray(a)
+    tagged, plain = io.BytesIO(), io.BytesIO()
+    exif = stored.getexif()
+    exif[0x0112] = 6
+    stored.save(tagged, "PNG", exif=exif)
+    stored.save(plain, "PNG")
+    turned = picture.from_bytes(tagged.getvalue(), "tagged")
+    assert turned.size == (48, 80) and turned.target() == (48, 80)
+    want = ImageOps.exif_transpose(Image.open(io.BytesIO(tagged.getvalue())))
+    assert np.array_equal(np.array(turned.image), np.array(want))
+    assert picture.from_bytes(plain.getvalue(), "plain").size == (80, 48)
+    assert turned.sha256 == __import__("hashlib").sha256(tagged.getvalue()).hexdigest()     # of the file's bytes

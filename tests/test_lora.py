@@ -4,6 +4,7 @@ formula in float64, on the tiny checkpoint; the --lora commands end to end."""
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -13,7 +14,7 @@ import pytest
 from cli_util import FAST, run, single_error
 from moss_cli import lora, safetensors_io
 from moss_cli.checkpoint import open_checkpoint
-from moss_cli.errors import LoraError
+from moss_cli.errors import LoraError, UsageError
 from moss_cli.png import decode_png
 
 torch = pytest.importorskip("torch")
@@ -592,6 +593,39 @@ def test_bad_adapter_is_one_line_and_exit_1(base, tmp_path, case, words):
     line = single_error(r)
     assert line == f"moss-image: error: --lora {path}: {words}"
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("config, words", [
+    (b'{"r": 4, "lora_alpha": 8, "note": "\xff"}', "adapter_config.json cannot be read as UTF-8 text"),
+    (b'{"r": 4, "lora_alpha": "eight"}', "lora_alpha 'eight' in its LoRA config is not a finite number"),
+    (b'{"r": 4, "lora_alpha": [8]}', "lora_alpha [8] in its LoRA config is not a finite number"),
+    (b'{"r": 4, "lora_alpha": NaN}', "lora_alpha nan in its LoRA config is not a finite number"),
+    (b'{"r": 4, "lora_alpha": 1e999}', "lora_alpha inf in its LoRA config is not a finite number"),
+    (b'{"r": 4, "lora_alpha": true}', "lora_alpha True in its LoRA config is not a finite number"),
+    (b'{"r": 4, "alpha_pattern": ["x"]}', "alpha_pattern in its LoRA config is not an object"),
+    (b'{"r": 4, "alpha_pattern": {"(": 2}}', "alpha_pattern '(' is not a regular expression"),
+    (b'{"r": 4, "alpha_pattern": {".*": "2"}}', "alpha_pattern '.*' '2' in its LoRA config is not a finite"),
+])
+def test_a_bad_peft_config_is_one_line_when_the_adapter_is_read(peft_dit, tmp_path, config, words):
+    """Each was an internal error (or, for NaN, a picture of NaN latents after all the work): now a LoraError
+    naming the field as the adapters are read, before any weight is merged."""
+    file, _ = peft_dit
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(file.read_bytes())
+    (folder / "adapter_config.json").write_bytes(config)
+    with pytest.raises(LoraError, match="--lora .*" + re.escape(words)):
+        merged_tensors("transformer", (folder / "adapter_model.safetensors", 1.0))
+
+
+def test_a_scale_that_is_not_a_number_after_an_existing_file_is_named(tmp_path):
+    good = tmp_path / "good.safetensors"
+    good.write_bytes(b"")
+    for tail in ("abc", "0x10", "1_0"):
+        with pytest.raises(UsageError, match=f"the scale '{tail}' is not a number"):
+            lora.parse_spec(f"{good}:{tail}")
+    assert lora.parse_spec(f"{good}:0.5") == (good, 0.5)
+    assert lora.parse_spec(f"{tmp_path}/missing.safetensors:abc")[1] == 1.0     # a name with ':' in it, then
 
 
 def test_the_gpu_takes_the_base_weights_and_the_memory_plan_merges_nothing(base, peft_dit):
