@@ -140,6 +140,13 @@ def _checkpoint(model_dir, lora=()):
     from . import lora as lora_io
     from .checkpoint import ENV, open_checkpoint
     adapters = [lora_io.parse_spec(text) for text in lora]
+    seen = {}
+    for text, (path, _) in zip(lora, adapters):
+        key = os.path.realpath(path)
+        if key in seen:
+            raise OptionError(f"--lora {text}: the same adapter as --lora {seen[key]}; give it once, with the scales' "
+                              "sum as its scale")
+        seen[key] = text
     if model_dir is None and os.environ.get(ENV):
         try:
             return open_checkpoint(os.environ[ENV], lora=adapters)

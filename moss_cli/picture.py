@@ -98,7 +98,20 @@ def from_bytes(data, source):
         raise PictureError(f"{source}: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise PictureError(f"{source}: truncated or corrupt picture ({e})") from None
-    return Picture(upright(image), hashlib.sha256(data).hexdigest(), source)
+    if getattr(image, "n_frames", 1) > 1:
+        raise PictureError(f"{source}: an animated picture ({image.n_frames} frames); give a still one")
+    return Picture(eight_bit(upright(image)), hashlib.sha256(data).hexdigest(), source)
+
+
+def eight_bit(image):
+    """A 16-bit grayscale picture (pillow's modes I;16 and I) as 8-bit L, each value's top 8 bits: pillow's own
+    conversion of these modes to L or RGB clips at 255, which would leave a picture of 0..65535 nearly white.
+    Other modes as they are (16-bit RGB is read as 8-bit RGB already)."""
+    if not image.mode.startswith("I"):
+        return image
+    from PIL import Image
+    values = np.asarray(image, dtype=np.int64)
+    return Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
 
 
 def upright(image):

@@ -150,3 +150,23 @@ def test_a_picture_is_turned_upright_by_its_exif_orientation_as_diffusers_load_i
     assert np.array_equal(np.array(turned.image), np.array(want))
     assert picture.from_bytes(plain.getvalue(), "plain").size == (80, 48)
     assert turned.sha256 == __import__("hashlib").sha256(tagged.getvalue()).hexdigest()     # of the file's bytes
+
+
+def test_an_animated_webp_is_refused_and_a_16_bit_gray_picture_keeps_its_values(tmp_path):
+    """An animated WebP was read as its first frame, silently; a 16-bit grayscale PNG came out nearly white
+    through pillow's own conversion (the control below): now its top 8 bits."""
+    from moss_cli import picture
+    from moss_cli.errors import PictureError
+    frames = [Image.fromarray(np.full((48, 64, 3), v, np.uint8)) for v in (0, 255)]
+    anim = io.BytesIO()
+    frames[0].save(anim, "WEBP", save_all=True, append_images=frames[1:], duration=100)
+    with pytest.raises(PictureError, match="an animated picture \\(2 frames\\)"):
+        picture.from_bytes(anim.getvalue(), "anim.webp")
+    a = (np.random.default_rng(1).random((48, 64)) * 65535).astype(np.uint16)
+    gray = io.BytesIO()
+    Image.fromarray(a).save(gray, "PNG")
+    got = picture.from_bytes(gray.getvalue(), "g16").rgb(64, 48)
+    want = (a >> 8).astype(np.float32) / np.float32(255) * np.float32(2) - np.float32(1)
+    assert all(np.array_equal(got[c], want) for c in range(3))
+    clipped = np.array(Image.open(io.BytesIO(gray.getvalue())).convert("RGB"))
+    assert (clipped == 255).mean() > 0.9                  # pillow's conversion: what the picture was before

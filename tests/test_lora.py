@@ -618,6 +618,15 @@ def test_a_bad_peft_config_is_one_line_when_the_adapter_is_read(peft_dit, tmp_pa
         merged_tensors("transformer", (folder / "adapter_model.safetensors", 1.0))
 
 
+def test_the_same_adapter_twice_is_a_usage_error(base, tmp_path):
+    adapter = kohya_file(base, tmp_path / "k.safetensors")
+    (tmp_path / "link.safetensors").symlink_to(adapter)
+    r = run("moss-image", "--prompt", "fox", "--seed", "1", *FAST, "--picture", tmp_path / "p.png",
+            "--lora", adapter, "--lora", f"{tmp_path / 'link.safetensors'}:0.5")
+    assert "the same adapter as --lora" in single_error(r) and r.code == 2
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_a_scale_that_is_not_a_number_after_an_existing_file_is_named(tmp_path):
     good = tmp_path / "good.safetensors"
     good.write_bytes(b"")
