@@ -98,8 +98,8 @@ def from_bytes(data, source):
         raise PictureError(f"{source}: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise PictureError(f"{source}: truncated or corrupt picture ({e})") from None
-    if getattr(image, "n_frames", 1) > 1:
-        raise PictureError(f"{source}: an animated picture ({image.n_frames} frames); give a still one")
+    if image.format in ("WEBP", "PNG") and getattr(image, "n_frames", 1) > 1:     # a JPEG's MPO frames are
+        raise PictureError(f"{source}: an animated picture ({image.n_frames} frames); give a still one")  # previews
     return Picture(eight_bit(upright(image)), hashlib.sha256(data).hexdigest(), source)
 
 

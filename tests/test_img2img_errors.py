@@ -162,6 +162,10 @@ def test_an_animated_webp_is_refused_and_a_16_bit_gray_picture_keeps_its_values(
     frames[0].save(anim, "WEBP", save_all=True, append_images=frames[1:], duration=100)
     with pytest.raises(PictureError, match="an animated picture \\(2 frames\\)"):
         picture.from_bytes(anim.getvalue(), "anim.webp")
+    mpo = io.BytesIO()                    # a camera's JPEG with a second (preview) frame: its first is the picture
+    frames[0].save(mpo, "MPO", save_all=True, append_images=frames[1:])
+    assert np.array_equal(np.array(picture.from_bytes(mpo.getvalue(), "mpo.jpg").image.convert("RGB")),
+                          np.array(Image.open(io.BytesIO(mpo.getvalue())).convert("RGB")))
     a = (np.random.default_rng(1).random((48, 64)) * 65535).astype(np.uint16)
     gray = io.BytesIO()
     Image.fromarray(a).save(gray, "PNG")
