@@ -162,11 +162,6 @@ def _note_model(progress, checkpoint, device):
         progress.note(f"LoRA {adapter.describe()}")
 
 
-def _text(option, text):
-    """TEXT, or one line when the command line held bytes that are not UTF-8 (stages.check_text)."""
-    return stages.check_text(option, text)
-
-
 def _stdin_once(*inputs):
     """Refuse two inputs that both read stdin ('-'): INPUTS are (name, path) pairs."""
     named = [name for name, path in inputs if path == "-"]
@@ -319,7 +314,7 @@ def _encode(model_dir, prompt, negative, no_negative, lora, device, gpu_memory, 
     progress = Progress(quiet, "moss-encode")
     if no_negative and _given("negative"):
         raise OptionError("--negative and --no-negative conflict: give one of them")
-    prompt, negative = _text("--prompt", prompt), _text("--negative", negative)
+    prompt, negative = stages.check_text("--prompt", prompt), stages.check_text("--negative", negative)
     artifacts.check_writable(out)
     model = _open(model_dir, device, "encode", progress, gpu_memory, show_plan, _size(None, None), lora)
     artifacts.write(out, stages.encode(model, prompt, None if no_negative else negative, once=True))
@@ -458,7 +453,8 @@ def _image(model_dir, prompt, prompt_file, negative, seed, steps, guidance, widt
            show_plan, quiet):
     from . import picture as pictures_in
     progress = Progress(quiet, "moss-image")
-    prompt, negative = (None if prompt is None else _text("--prompt", prompt)), _text("--negative", negative)
+    prompt = None if prompt is None else stages.check_text("--prompt", prompt)
+    negative = stages.check_text("--negative", negative)
     _stdin_once(("--prompt-file", prompt_file), ("--init-image", init_image), ("--mask", mask))
     pictures = batch.plan(prompt, prompt_file, seed, picture)
     if keep is not None and keep.exists() and not keep.is_dir():
